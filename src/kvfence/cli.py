@@ -1,0 +1,79 @@
+"""`kvfence` command line: wires the packages together. Every verdict is an exit code."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from kvfence import __version__
+from kvfence.engine.geometry import KVGeometry
+from kvfence.engine.sizing import (
+    DEFAULT_HEADROOM,
+    CapacityGateError,
+    MemoryBudget,
+    capacity_gate,
+    pool_from_budget,
+)
+
+# The built-in tiny geometry (the checkpoint `kvfence make-model` writes).
+TINY_GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=32, page_size=16, dtype="float32")
+TINY_KV_BYTES = 64 * 1024 * 1024
+TINY_CONTEXT = 4096
+
+
+@click.group(invoke_without_command=True)
+@click.version_option(__version__, prog_name="kvfence")
+@click.pass_context
+def main(ctx: click.Context) -> None:
+    """kvfence: tenant isolation for disaggregated LLM serving, proven on the bug."""
+    if ctx.invoked_subcommand is None:
+        click.echo(f"kvfence {__version__}")
+        ctx.invoke(gate)
+
+
+@main.command()
+@click.option("--layers", type=int, default=TINY_GEOMETRY.num_layers, show_default=True)
+@click.option("--kv-heads", type=int, default=TINY_GEOMETRY.num_kv_heads, show_default=True)
+@click.option("--head-dim", type=int, default=TINY_GEOMETRY.head_dim, show_default=True)
+@click.option("--page-size", type=int, default=TINY_GEOMETRY.page_size, show_default=True)
+@click.option("--dtype", default=TINY_GEOMETRY.dtype, show_default=True)
+@click.option(
+    "--kv-bytes",
+    type=int,
+    default=TINY_KV_BYTES,
+    show_default=True,
+    help="explicit KV budget in bytes",
+)
+@click.option(
+    "--pool-tokens", type=int, default=None, help="use this pool size instead of computing it"
+)
+@click.option("--context", "context_length", type=int, default=TINY_CONTEXT, show_default=True)
+@click.option("--headroom", type=float, default=DEFAULT_HEADROOM, show_default=True)
+def gate(
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype: str,
+    kv_bytes: int,
+    pool_tokens: int | None,
+    context_length: int,
+    headroom: float,
+) -> None:
+    """Print the capacity gate's report (I4); exit 1 when the pool cannot hold the context."""
+    geometry = KVGeometry(layers, kv_heads, head_dim, page_size, dtype)
+    if pool_tokens is None:
+        size = pool_from_budget(geometry, MemoryBudget(kv_bytes=kv_bytes))
+        pool_tokens = size.tokens
+        click.echo(
+            f"geometry: {layers} layers x {kv_heads} KV heads x head dim {head_dim}, {dtype}, "
+            f"page {page_size} -> {geometry.bytes_per_token:,} bytes/token; "
+            f"budget {kv_bytes:,} bytes -> {size.num_pages:,} pages = {size.tokens:,} tokens"
+        )
+    try:
+        decision = capacity_gate(pool_tokens, context_length, headroom=headroom)
+    except CapacityGateError as e:
+        click.echo(str(e), err=True)
+        sys.exit(1)
+    click.echo(decision.report.message())

@@ -1,0 +1,4 @@
+"""The isolation core: pages, ledger, request lifecycle, sizing, scheduling.
+
+This package knows no process, network, lab or audit (DESIGN.md, Conventions).
+"""

@@ -1,0 +1,102 @@
+"""The one registry of fault switches.
+
+Each switch disables exactly one defence and re-creates a published isolation
+bug. All are off by default. The engine only ever *reads* a frozen `FaultSet`;
+switches are set solely through explicit lab configuration (``kvfence lab`` or
+``kvfence serve --lab-fault``) and every active switch is listed in
+``/server_info`` so an audit can never mistake a lab server for production.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+class Fault(enum.Enum):
+    """A fault switch. The value is the public (CLI / server_info) name."""
+
+    UNDERSIZED_POOL = "undersized-pool"
+    ABORT_NOT_TERMINAL = "abort-not-terminal"
+    DECODE_TRUSTS_BOOTSTRAP = "decode-trusts-bootstrap"
+    NO_LEDGER_CHECK = "no-ledger-check"
+    NO_INVALIDATE = "no-invalidate"
+    EARLY_FREE = "early-free"
+    ABORT_AS_SUCCESS = "abort-as-success"
+    SHARED_PREFIX_CACHE = "shared-prefix-cache"
+
+    @classmethod
+    def parse(cls, name: str) -> Fault:
+        try:
+            return cls(name)
+        except ValueError:
+            known = ", ".join(f.value for f in cls)
+            raise ValueError(f"unknown fault switch {name!r}; known switches: {known}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class FaultInfo:
+    recreates: str
+    defence_removed: str
+
+
+FAULT_INFO: dict[Fault, FaultInfo] = {
+    Fault.UNDERSIZED_POOL: FaultInfo(
+        "Workers AI 2026: prefill pool 681,280 tokens < advertised context 1,048,576",
+        "I4 capacity gate at start-up and the router's edge limit",
+    ),
+    Fault.ABORT_NOT_TERMINAL: FaultInfo(
+        "SGLang #30233: rejection stored aside, prompt replaced by a 1-token placeholder, "
+        "finished() still False, admission tests `not finished()`",
+        "I2 terminal REJECTED state and allow-list admission",
+    ),
+    Fault.DECODE_TRUSTS_BOOTSTRAP: FaultInfo(
+        "SGLang #30233: decode attends every reserved page, whatever arrived",
+        "I3 manifest/reservation reconciliation",
+    ),
+    Fault.NO_LEDGER_CHECK: FaultInfo(
+        "attention gathers pages without owner/generation/written-length verification",
+        "I1 ledger verify on every attention gather",
+    ),
+    Fault.NO_INVALIDATE: FaultInfo(
+        "release without generation bump (the article's ReleaseUnsafe): stale handles stay valid",
+        "I5 invalidate on release",
+    ),
+    Fault.EARLY_FREE: FaultInfo(
+        "SGLang #24527, vLLM #21570, GLM-5 postmortem: pages freed while a transfer can still land",
+        "I7 deferred release",
+    ),
+    Fault.ABORT_AS_SUCCESS: FaultInfo(
+        "SGLang #33507: an abort reported as finish_reason 'length' with HTTP 200",
+        "I6 exactly one honest terminal outcome",
+    ),
+    Fault.SHARED_PREFIX_CACHE: FaultInfo(
+        "CVE-2025-46570: prefix cache shared across tenants, observable by timing",
+        "I8 per-tenant prefix-cache namespaces",
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FaultSet:
+    """An immutable set of active fault switches (empty = production)."""
+
+    active: frozenset[Fault] = frozenset()
+
+    @classmethod
+    def of(cls, *faults: Fault | str) -> FaultSet:
+        return cls(frozenset(f if isinstance(f, Fault) else Fault.parse(f) for f in faults))
+
+    @classmethod
+    def parse(cls, names: Iterable[str]) -> FaultSet:
+        return cls.of(*names)
+
+    def __contains__(self, fault: object) -> bool:
+        return fault in self.active
+
+    def __bool__(self) -> bool:
+        return bool(self.active)
+
+    def names(self) -> list[str]:
+        return sorted(f.value for f in self.active)
