@@ -45,7 +45,7 @@ class CausalLM(ABC, torch.nn.Module):
     """A decoder that reads and writes KV only through a `KVPool`."""
 
     @abstractmethod
-    def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """Write the new tokens' K/V at `batch.slot_mapping`, verify, attend through `batch.pages`.
 
         Returns float32 logits: [B, vocab] (each row's last new token) or

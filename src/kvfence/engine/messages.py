@@ -1,0 +1,259 @@
+"""Typed messages between the roles (router, prefill, decode).
+
+Every message that crosses a role boundary is one of these frozen dataclasses,
+whether the roles share a process (in-process queues) or not (ZeroMQ). Each
+carries `version`; `decode_message` validates type, version and every field
+on receipt and raises `MessageError` for anything malformed or unexpected, so
+a worker can log and refuse it instead of crashing.
+
+The PD protocol (one request):
+  router  -> decode : Bootstrap        decode reserves pages for exactly the prompt
+  decode  -> router : BootstrapReady   the destination page handles (index, generation)
+  router  -> prefill: PrefillWork      prompt + destination handles
+  prefill -> decode : TransferManifest (with the KV payload, over a KVTransport)
+  decode  -> router : TokenChunk ...   streamed tokens, the last one with finish_reason
+  any     -> router : Failure          the original error; the request ends with it
+  router  -> any    : Abort            client gone / rejected: stop and release (deferred, I7)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+PROTOCOL_VERSION = 1
+
+
+class MessageError(ValueError):
+    """A message that is malformed, of an unknown type or version, or has a bad field."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k logprobs to return per token, None = off
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise MessageError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise MessageError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise MessageError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise MessageError(f"top_k must be >= 0, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise MessageError(f"logprobs must be in [0, 20], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorInfo:
+    """The original error (mirrors engine.request.RequestError across the wire)."""
+
+    status: int
+    type: str
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PageRef:
+    index: int
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class Bootstrap:
+    room: str
+    tenant: str
+    num_prompt_tokens: int
+    max_tokens: int
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class BootstrapReady:
+    room: str
+    pages: tuple[PageRef, ...]
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillWork:
+    room: str
+    tenant: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    dest_pages: tuple[PageRef, ...]
+    cache_namespace: str  # tenant (+ cache_salt) prefix-cache namespace (I8)
+    decode_addr: str = ""  # where the KV goes; empty in single-process mode
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class TransferManifest:
+    """What prefill says it sent. Decode checks every field against its reservation (I3)."""
+
+    room: str
+    tenant: str
+    num_tokens: int
+    num_pages: int
+    dest_pages: tuple[PageRef, ...]
+    checksum: str
+    first_token: int
+    first_logprobs: tuple[tuple[int, float], ...] = ()
+    cached_tokens: int = 0
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    room: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    room: str
+    error: ErrorInfo
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    room: str
+    reason: str
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class TransferDone:
+    """The transport's confirmation that nothing more will land in these pages (I7)."""
+
+    room: str
+    ok: bool
+    version: int = PROTOCOL_VERSION
+
+
+Message = (
+    Bootstrap
+    | BootstrapReady
+    | PrefillWork
+    | TransferManifest
+    | TokenChunk
+    | Failure
+    | Abort
+    | TransferDone
+)
+MESSAGE_TYPES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        Bootstrap,
+        BootstrapReady,
+        PrefillWork,
+        TransferManifest,
+        TokenChunk,
+        Failure,
+        Abort,
+        TransferDone,
+    )
+}
+_NESTED: dict[str, type] = {
+    "SamplingParams": SamplingParams,
+    "ErrorInfo": ErrorInfo,
+    "PageRef": PageRef,
+}
+
+
+def encode_message(msg: Message) -> bytes:
+    """JSON with the type name; tuples become lists and are restored by `decode_message`."""
+    return json.dumps({"type": type(msg).__name__, "body": dataclasses.asdict(msg)}).encode()
+
+
+def decode_message(raw: bytes) -> Message:
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MessageError(f"not a JSON message: {e}") from None
+    if not isinstance(obj, dict) or set(obj) != {"type", "body"}:
+        raise MessageError("a message is an object with exactly 'type' and 'body'")
+    cls = MESSAGE_TYPES.get(obj["type"]) if isinstance(obj["type"], str) else None
+    if cls is None:
+        raise MessageError(f"unknown message type {obj['type']!r}")
+    msg = _build(cls, obj["body"])
+    if msg.version != PROTOCOL_VERSION:
+        raise MessageError(f"{cls.__name__} version {msg.version} != supported {PROTOCOL_VERSION}")
+    return typing.cast(Message, msg)
+
+
+def _build(cls: type, body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise MessageError(f"{cls.__name__} body must be an object")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(body) - names
+    if unknown:
+        raise MessageError(f"{cls.__name__} has unknown fields {sorted(unknown)}")
+    kwargs = {
+        name: _coerce(hints[name], body[name], f"{cls.__name__}.{name}")
+        for name in names
+        if name in body
+    }
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise MessageError(f"{cls.__name__}: {e}") from None
+
+
+def _coerce(hint: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return _coerce(option, value, where)
+            except MessageError as e:
+                errors.append(str(e))
+        raise MessageError(f"{where}: {value!r} matches none of {options}")
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise MessageError(f"{where} must be a list")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(args[0], v, where) for v in value)
+        if len(args) != len(value):
+            raise MessageError(f"{where} must have {len(args)} items")
+        return tuple(_coerce(a, v, where) for a, v in zip(args, value, strict=True))
+    if isinstance(hint, type) and hint.__name__ in _NESTED:
+        return _build(hint, value)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise MessageError(f"{where} must be a number")
+        return float(value)
+    if hint in (int, str, bool):
+        if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+            raise MessageError(f"{where} must be {hint.__name__}")
+        return value
+    raise MessageError(f"{where}: unsupported field type {hint}")
