@@ -216,7 +216,9 @@ class KVPool:
             raise ValueError(f"n_pages must be >= 0, got {n_pages}")
         if not self.can_allocate(n_pages):
             raise PoolExhausted(n_pages, len(self.free_pages))
-        indices = [self.free_pages.popleft() for _ in range(n_pages)]
+        # LIFO: the most recently released page is reused first (cache-warm, and
+        # exactly why stale contents must never be readable: I1, I5).
+        indices = [self.free_pages.pop() for _ in range(n_pages)]
         idx = torch.tensor(indices, dtype=torch.int64)
         self.state[idx] = int(PageState.USED)
         self.owner[idx] = owner

@@ -1,0 +1,1 @@
+"""Serving: the OpenAI-compatible router, tenants, workers, transports and metrics."""

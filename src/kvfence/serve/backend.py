@@ -1,0 +1,76 @@
+"""The contract between the HTTP router and whatever runs the model.
+
+The router authenticates, tokenizes, validates and then hands a `GenerateWork`
+to a `Backend`. A backend is either the in-process pipeline (prefill and
+decode engines in one process, the embedded default) or the disaggregated one
+(prefill and decode worker processes over ZeroMQ and a KV transport). Both
+speak the same typed messages (`kvfence.engine.messages`).
+
+Delivery: `submit` never blocks on the model. Events for the request arrive
+through `sink`, possibly from another thread: zero or more `TokenChunk`s, the
+last with `finish_reason` set, or exactly one `Failure` (I6: every request
+ends exactly once, and a failure is never reported as success).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvfence.engine.messages import Failure, SamplingParams, TokenChunk
+
+Sink = Callable[[TokenChunk | Failure], None]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateWork:
+    room: str  # made by the server, never by a client (I9)
+    tenant: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    cache_namespace: (
+        str  # tenant, or tenant + cache_salt; a shared namespace only by operator opt-in (I8)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PoolInfo:
+    role: str  # "prefill" or "decode"
+    pool_tokens: int
+    page_size: int
+    pages_used: int
+    pages_free: int
+    pages_pending: int
+
+
+@dataclass(frozen=True, slots=True)
+class BackendStats:
+    """Counters since start. Isolation violations and transfer mismatches must stay 0 in production."""
+
+    requests_finished: int = 0
+    requests_rejected: int = 0
+    requests_aborted: int = 0
+    requests_failed: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    isolation_violations: int = 0
+    transfer_mismatches: int = 0
+    transfer_failures: int = 0
+    pools: tuple[PoolInfo, ...] = field(default_factory=tuple)
+
+
+class Backend(Protocol):
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def submit(self, work: GenerateWork, sink: Sink) -> None:
+        """Queue the work; events arrive through `sink` (maybe from another thread)."""
+
+    def abort(self, room: str, reason: str) -> None:
+        """The client is gone or the router gave up: stop the request and release its pages (I7)."""
+
+    def stats(self) -> BackendStats: ...
