@@ -1,0 +1,102 @@
+"""ZeroMQ control channels between roles.
+
+Each role binds one PULL socket (its inbox) and connects PUSH sockets to the
+inboxes of the roles it talks to. Every frame is one `encode_message` JSON
+document; `Inbox.poll` validates on receipt and hands back only well-formed
+messages of the types this role accepts. Anything else is logged and refused,
+never raised into the worker's loop (a malformed message must not crash a
+worker).
+
+The same classes run in one process over `inproc://` addresses (tests, the
+single-process mode when it wants real sockets) and across hosts over `tcp://`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import zmq
+
+from kvfence.engine.messages import Message, MessageError, decode_message, encode_message
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RefusalLog:
+    """What an inbox refused, so tests and metrics can see it (bounded)."""
+
+    count: int = 0
+    recent: list[str] = field(default_factory=list)
+
+    def add(self, reason: str) -> None:
+        self.count += 1
+        self.recent.append(reason)
+        del self.recent[:-32]
+
+
+class Inbox:
+    """A role's bound PULL socket. Validates every frame on receipt."""
+
+    def __init__(
+        self, ctx: zmq.Context[zmq.Socket[bytes]], addr: str, accepts: Iterable[type]
+    ) -> None:
+        self.socket: zmq.Socket[bytes] = ctx.socket(zmq.PULL)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        if addr.startswith("tcp://") and addr.rsplit(":", 1)[1] == "0":
+            port = self.socket.bind_to_random_port(addr.rsplit(":", 1)[0])
+            addr = f"{addr.rsplit(':', 1)[0]}:{port}"
+        else:
+            self.socket.bind(addr)
+        self.addr = addr
+        self.accepts = tuple(accepts)
+        self.refused = RefusalLog()
+
+    def poll(self, timeout_ms: int = 0, max_messages: int = 256) -> list[Message]:
+        """Well-formed, expected messages that arrived (waits up to `timeout_ms` for the first)."""
+        out: list[Message] = []
+        if not self.socket.poll(timeout_ms):
+            return out
+        while len(out) < max_messages:
+            try:
+                raw = self.socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                msg = decode_message(raw)
+            except MessageError as e:
+                self._refuse(f"malformed message refused: {e}")
+                continue
+            if not isinstance(msg, self.accepts):
+                self._refuse(f"unexpected {type(msg).__name__} refused at {self.addr}")
+                continue
+            out.append(msg)
+        return out
+
+    def _refuse(self, reason: str) -> None:
+        log.warning(reason)
+        self.refused.add(reason)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class Outbox:
+    """A PUSH socket connected to another role's inbox."""
+
+    def __init__(
+        self, ctx: zmq.Context[zmq.Socket[bytes]], addr: str, *, hwm: int = 10_000
+    ) -> None:
+        self.socket: zmq.Socket[bytes] = ctx.socket(zmq.PUSH)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDHWM, hwm)
+        self.socket.connect(addr)
+        self.addr = addr
+
+    def send(self, msg: Message) -> None:
+        self.socket.send(encode_message(msg))
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
