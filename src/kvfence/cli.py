@@ -62,9 +62,14 @@ def gate(
     headroom: float,
 ) -> None:
     """Print the capacity gate's report (I4); exit 1 when the pool cannot hold the context."""
-    geometry = KVGeometry(layers, kv_heads, head_dim, page_size, dtype)
+    try:
+        geometry = KVGeometry(layers, kv_heads, head_dim, page_size, dtype)
+        budget = MemoryBudget(kv_bytes=kv_bytes)
+    except ValueError as e:
+        # A bad input is a usage error (exit 2), never confused with a failed gate (exit 1).
+        raise click.UsageError(str(e)) from None
     if pool_tokens is None:
-        size = pool_from_budget(geometry, MemoryBudget(kv_bytes=kv_bytes))
+        size = pool_from_budget(geometry, budget)
         pool_tokens = size.tokens
         click.echo(
             f"geometry: {layers} layers x {kv_heads} KV heads x head dim {head_dim}, {dtype}, "
@@ -76,4 +81,6 @@ def gate(
     except CapacityGateError as e:
         click.echo(str(e), err=True)
         sys.exit(1)
+    except ValueError as e:  # negative pool, context <= 0, headroom < 1
+        raise click.UsageError(str(e)) from None
     click.echo(decision.report.message())

@@ -83,6 +83,8 @@ class Bootstrap:
     tenant: str
     num_prompt_tokens: int
     max_tokens: int
+    # Decode samples every token after the first, so it needs the request's sampling.
+    sampling: SamplingParams = SamplingParams()
     version: int = PROTOCOL_VERSION
 
 
@@ -192,8 +194,10 @@ def encode_message(msg: Message) -> bytes:
 def decode_message(raw: bytes) -> Message:
     try:
         obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MessageError(f"not a JSON message: {e}") from None
+    except (ValueError, RecursionError) as e:
+        # ValueError covers bad JSON, bad UTF-8 and over-long integer literals;
+        # RecursionError a deeply nested payload. A peer must never crash a worker.
+        raise MessageError(f"not a JSON message: {type(e).__name__}: {e}") from None
     if not isinstance(obj, dict) or set(obj) != {"type", "body"}:
         raise MessageError("a message is an object with exactly 'type' and 'body'")
     cls = MESSAGE_TYPES.get(obj["type"]) if isinstance(obj["type"], str) else None
@@ -251,7 +255,10 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise MessageError(f"{where} must be a number")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise MessageError(f"{where} is out of range for a float") from None
     if hint in (int, str, bool):
         if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
             raise MessageError(f"{where} must be {hint.__name__}")

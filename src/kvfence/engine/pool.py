@@ -236,8 +236,17 @@ class KVPool:
         Releasing a stale handle (double free, wrong owner) raises.
         """
         handles = list(handles)
+        seen: set[int] = set()
         for h in handles:
             self._check_current(h, "release")
+            if h.index in seen:  # the same page twice in one call would be a double free
+                raise IsolationViolation(
+                    "release lists a page twice",
+                    page=h.index,
+                    expected="each page once",
+                    found="a duplicate handle",
+                )
+            seen.add(h.index)
         for h in handles:
             i = h.index
             if bool(self.inbound[i]) and Fault.EARLY_FREE not in self.faults:
@@ -315,7 +324,7 @@ class KVPool:
         at least as many written slots as the row attends in it. One set of
         tensor comparisons for the whole batch.
         """
-        if batch.pages.numel() == 0 or Fault.NO_LEDGER_CHECK in self.faults:
+        if batch.lengths.numel() == 0 or Fault.NO_LEDGER_CHECK in self.faults:
             return
         pages = batch.pages
         owner = self.owner[pages]
@@ -334,10 +343,21 @@ class KVPool:
             & (self.written[pages] >= needed)
         )
         bad = batch.valid & ~ok
-        if bool(bad.any()):
-            self._explain(batch, bad)
+        # A row attending past the end of its own table would gather padding pages (I1).
+        beyond = batch.lengths > batch.valid.sum(dim=1) * self.page_size
+        if bool(bad.any() | beyond.any()):
+            self._explain(batch, bad, beyond)
 
-    def _explain(self, batch: BatchPages, bad: torch.Tensor) -> None:
+    def _explain(self, batch: BatchPages, bad: torch.Tensor, beyond: torch.Tensor) -> None:
+        if not bool(bad.any()):
+            row = int(beyond.nonzero()[0])
+            covered = int(batch.valid[row].sum())
+            raise IsolationViolation(
+                f"reader {self.label(int(batch.readers[row]))} attends positions past its page table",
+                page=int(batch.pages[row, covered - 1]) if covered else -1,
+                expected=f"length <= {covered * self.page_size} ({covered} pages)",
+                found=f"length {int(batch.lengths[row])}",
+            )
         row, col = (int(x) for x in bad.nonzero()[0])
         page = int(batch.pages[row, col])
         needed = max(0, min(self.page_size, int(batch.lengths[row]) - col * self.page_size))
@@ -385,6 +405,9 @@ class KVPool:
         )
         if used_unowned:
             raise AssertionError(f"pages {used_unowned[:8]} are used but have no owner")
+        free_inbound = ((self.state == PageState.FREE) & self.inbound).nonzero().flatten().tolist()
+        if free_inbound:  # I7: a transfer may still land in a page anyone can now allocate
+            raise AssertionError(f"pages {free_inbound[:8]} are free while a transfer may land")
         for h in outstanding:
             try:
                 self._check_current(h, "outstanding handle")

@@ -30,6 +30,10 @@ class MemoryBudget:
             raise ValueError("give exactly one of kv_bytes or device_bytes")
         if not 0.0 < self.fraction <= 1.0:
             raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
+        for name in ("kv_bytes", "device_bytes", "weight_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
 
     @property
     def kv_budget_bytes(self) -> int:
