@@ -84,3 +84,17 @@ def gate(
     except ValueError as e:  # negative pool, context <= 0, headroom < 1
         raise click.UsageError(str(e)) from None
     click.echo(decision.report.message())
+
+
+@main.command("make-model")
+@click.argument("out_dir", type=click.Path(file_okay=False, writable=True))
+@click.option(
+    "--preset", type=click.Choice(["tiny", "smollm"]), default="tiny", show_default=True
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+def make_model(out_dir: str, preset: str, seed: int) -> None:
+    """Write a deterministic random-weight checkpoint in the Hugging Face layout."""
+    from kvfence.model.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(out_dir, seed=seed, preset=preset)
+    click.echo(f"wrote {preset} checkpoint (seed {seed}) to {path}")
