@@ -1,0 +1,1 @@
+"""The audit kit: the incident runbook as checks against any engine, over HTTP only."""

@@ -1,0 +1,1 @@
+"""Target adapters: one module per engine, a registry, `--engine auto` detection."""

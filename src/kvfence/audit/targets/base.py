@@ -1,0 +1,243 @@
+"""The target-adapter contract: how the audit reads facts from one live engine.
+
+An adapter (`Target` subclass, one module per engine, listed in
+`targets.registry`) knows which endpoints its engine exposes and turns them
+into `TargetFacts`: every field a `Fact` with the endpoint and field it came
+from, or explicitly unknown with a note saying why. Adapters never guess a
+number they cannot read; where an engine's HTTP surface is ambiguous (the
+llama.cpp slot pool) they report the bound they can prove and say so.
+
+Contract:
+- `read_facts(client)` reads the facts (a few GETs, all charged to the
+  budget). `facts(client)` caches them per target for the whole audit.
+- `read_counters(client)` reads the engine's isolation / transfer failure
+  counters *now* (for before/after snapshots); {} when the engine has none.
+- `identify(endpoints)` (classmethod) returns a human-readable reason when
+  the responses prove this engine, else None (`--engine auto`).
+- Adapters set `client.model` for generation requests via `configure_client`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from kvfence.audit.base import Fact, JSONValue
+from kvfence.audit.client import ProbeClient, ProbeResponse
+
+
+@dataclass(slots=True)
+class TargetFacts:
+    """What the checks need to know about one target; each a `Fact` (maybe unknown).
+
+    - `pool_tokens`: KV tokens the engine can hold for prompts (the prefill
+      pool on a PD prefill node) — the number the capacity gate compares.
+    - `context_length`: the model context the server advertises.
+    - `max_input`: the longest prompt the server says it accepts (may be
+      context_length or less).
+    - `page_size`: KV page / block size in tokens.
+    - `prefix_caching`: bool; `cache_salt_supported`: bool.
+    - `tokenizer`: "/tokenize" when the server tokenizes for us, else
+      "calibrated from usage.prompt_tokens".
+    - `model`: the model id to send in requests.
+    - `counters`: isolation / transfer / outcome counters at read time.
+    - `extra`: anything else worth showing (disaggregation mode, lab profile…).
+    """
+
+    engine: Fact
+    model: Fact = field(default_factory=lambda: Fact.unknown("not read"))
+    pool_tokens: Fact = field(default_factory=lambda: Fact.unknown("not read"))
+    context_length: Fact = field(default_factory=lambda: Fact.unknown("not read"))
+    max_input: Fact = field(default_factory=lambda: Fact.unknown("not read"))
+    page_size: Fact = field(default_factory=lambda: Fact.unknown("not read"))
+    prefix_caching: Fact = field(default_factory=lambda: Fact.unknown("not read"))
+    cache_salt_supported: Fact = field(default_factory=lambda: Fact.unknown("not read"))
+    tokenizer: Fact = field(default_factory=lambda: Fact.unknown("not read"))
+    counters: dict[str, Fact] = field(default_factory=dict)
+    extra: dict[str, Fact] = field(default_factory=dict)
+
+    def input_limit(self, context_override: int | None = None) -> Fact:
+        """The longest accepted prompt: the override, else max_input, else context_length."""
+        if context_override is not None:
+            return Fact(context_override, "--context (operator override)")
+        if self.max_input.known:
+            return self.max_input
+        return self.context_length
+
+    def to_json(self) -> dict[str, JSONValue]:
+        out: dict[str, JSONValue] = {
+            name: getattr(self, name).to_json()
+            for name in (
+                "engine",
+                "model",
+                "pool_tokens",
+                "context_length",
+                "max_input",
+                "page_size",
+                "prefix_caching",
+                "cache_salt_supported",
+                "tokenizer",
+            )
+        }
+        out["counters"] = {k: v.to_json() for k, v in self.counters.items()}
+        out["extra"] = {k: v.to_json() for k, v in self.extra.items()}
+        return out
+
+
+class Endpoints:
+    """Memoised GETs against one target, shared by detection and fact reading."""
+
+    def __init__(self, client: ProbeClient) -> None:
+        self.client = client
+        self._seen: dict[str, ProbeResponse] = {}
+        self._lock = threading.Lock()
+
+    def get(self, path: str) -> ProbeResponse:
+        with self._lock:
+            if path not in self._seen:
+                self._seen[path] = self.client.get(path, timeout_s=30.0)
+            return self._seen[path]
+
+    def json(self, path: str) -> dict[str, Any] | None:
+        """The JSON object at `path` when it answered 200 with one, else None."""
+        r = self.get(path)
+        return r.json if r.ok and isinstance(r.json, dict) else None
+
+    def metrics(self, path: str = "/metrics") -> list[Sample] | None:
+        r = self.get(path)
+        if not r.ok:
+            return None
+        return parse_prometheus(r.body)
+
+
+# -- Prometheus text exposition (just enough: name{labels} value) -------------
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+def parse_prometheus(text: str) -> list[Sample]:
+    """Parse Prometheus text format samples (comments skipped; unparsable lines ignored)."""
+    out: list[Sample] = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        try:
+            value = float(m.group(4))
+        except ValueError:
+            continue
+        labels = {k: v.replace('\\"', '"') for k, v in _LABEL.findall(m.group(3) or "")}
+        out.append(Sample(m.group(1), labels, value))
+    return out
+
+
+def samples_named(samples: list[Sample], name: str) -> list[Sample]:
+    return [s for s in samples if s.name == name]
+
+
+def metric_sum(samples: list[Sample] | None, name: str, source: str) -> Fact:
+    """The sum of a metric's samples across label sets, or unknown if absent."""
+    if samples is None:
+        return Fact.unknown(source, "/metrics did not answer 200")
+    found = samples_named(samples, name)
+    if not found:
+        return Fact.unknown(source, f"{name} not exposed")
+    total = float(sum(s.value for s in found))
+    return Fact(int(total) if total.is_integer() else total, source)
+
+
+def json_int(obj: dict[str, Any] | None, *keys: str) -> tuple[int | None, str | None]:
+    """The first of `keys` present in `obj` with an int value: (value, key)."""
+    if obj is None:
+        return None, None
+    for k in keys:
+        v = obj.get(k)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v, k
+        if isinstance(v, float) and v.is_integer():
+            return int(v), k
+    return None, None
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True)
+
+
+class Target(ABC):
+    """One live engine endpoint under audit. Subclasses: one per engine."""
+
+    engine: ClassVar[str] = ""
+
+    def __init__(self, url: str, detected_by: str = "--engine given on the command line") -> None:
+        self.url = url.rstrip("/")
+        self.detected_by = detected_by
+        self._facts: TargetFacts | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    @classmethod
+    @abstractmethod
+    def identify(cls, endpoints: Endpoints) -> str | None:
+        """A reason these responses prove this engine, or None."""
+
+    @abstractmethod
+    def read_facts(self, client: ProbeClient) -> TargetFacts:
+        """Read every fact from the live process, each with its source."""
+
+    def read_counters(self, client: ProbeClient) -> dict[str, Fact]:
+        """Isolation/transfer failure counters now; {} when the engine exposes none."""
+        return {}
+
+    def facts(self, client: ProbeClient) -> TargetFacts:
+        """Facts read once per audit (then cached); also sets `client.model`."""
+        with self._lock:
+            if self._facts is None:
+                self._facts = self.read_facts(client)
+            facts = self._facts
+        self.configure_client(client)
+        return facts
+
+    def configure_client(self, client: ProbeClient) -> None:
+        """Make `client` send the model id this target serves."""
+        if self._facts is not None and isinstance(self._facts.model.value, str):
+            client.model = self._facts.model.value
+
+
+def models_fact(ep: Endpoints) -> tuple[Fact, dict[str, Any] | None]:
+    """(model id fact, first /v1/models entry) from GET /v1/models."""
+    j = ep.json("/v1/models")
+    data = j.get("data") if j else None
+    if isinstance(data, list) and data and isinstance(data[0], dict):
+        mid = data[0].get("id")
+        if isinstance(mid, str):
+            return Fact(mid, "GET /v1/models data[0].id"), data[0]
+        return Fact.unknown("GET /v1/models", "data[0] has no id"), data[0]
+    return Fact.unknown("GET /v1/models", "no model list"), None
+
+
+def tokenizer_fact(client: ProbeClient) -> Fact:
+    """Whether the server tokenizes for us (POST /tokenize) — one or two requests."""
+    toks = client.tokenize("hello world")
+    if toks:
+        return Fact("/tokenize", "POST /tokenize", f"'hello world' -> {len(toks)} tokens")
+    return Fact(
+        "calibrated from usage.prompt_tokens",
+        "POST /tokenize",
+        "no /tokenize; prompt lengths are calibrated from usage.prompt_tokens",
+    )
