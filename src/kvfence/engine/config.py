@@ -1,0 +1,68 @@
+"""The engine's validated configuration (one object for the prefill and decode engines)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvfence.engine.pool import ScrubPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Pool sizes per role, batching limits and isolation policy.
+
+    prefill_pages / decode_pages: KV pages in each role's pool (each role owns
+    its pool; the in-process pipeline copies KV between them).
+    max_batch_tokens: new tokens one prefill step may compute (the step budget).
+    chunk_size: the most tokens of one prompt computed in one step; longer
+    prompts are prefilled in chunks (None = max_batch_tokens).
+    max_running: decode rows per step.
+    context_length: prompt + output tokens one request may reach.
+    shared_prefix_namespace: the operator's explicit opt-in to cross-tenant
+    prefix sharing (I8); None (the default) keeps each tenant's cache apart.
+    eos_token_ids: tokens that end generation unless a request sets ignore_eos.
+    """
+
+    prefill_pages: int
+    decode_pages: int
+    page_size: int = 16
+    max_batch_tokens: int = 2048
+    chunk_size: int | None = None
+    max_running: int = 64
+    context_length: int = 4096
+    scrub: ScrubPolicy = ScrubPolicy.NONE
+    prefix_cache: bool = True
+    shared_prefix_namespace: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sampler_seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_pages", "decode_pages", "page_size", "max_batch_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        for name in ("max_running", "context_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if self.chunk_size is not None and not 0 < self.chunk_size <= self.max_batch_tokens:
+            raise ValueError(
+                f"EngineConfig.chunk_size must be in [1, max_batch_tokens={self.max_batch_tokens}], "
+                f"got {self.chunk_size}"
+            )
+        if self.shared_prefix_namespace == "":
+            raise ValueError(
+                "EngineConfig.shared_prefix_namespace must be None or a non-empty name"
+            )
+
+    @property
+    def step_chunk(self) -> int:
+        return self.chunk_size or self.max_batch_tokens
+
+    @property
+    def prefill_pool_tokens(self) -> int:
+        return self.prefill_pages * self.page_size
+
+    @property
+    def decode_pool_tokens(self) -> int:
+        return self.decode_pages * self.page_size

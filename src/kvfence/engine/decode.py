@@ -1,0 +1,336 @@
+"""The decode engine: reservations, transfer reconciliation, continuous-batching decode.
+
+Network-free: it takes `Bootstrap`, transfer manifests, inbound-closed
+confirmations and `Abort`, and leaves what it produces in `drain()`:
+`BootstrapReady` for the router, `TokenChunk`s and `Failure`s for the client.
+
+The reservation protocol (DESIGN.md "Data flow"):
+  bootstrap  reserve pages for EXACTLY the prompt (owned by this request,
+             generation-stamped) and mark them inbound: a transfer may land
+             from the moment their handles leave this engine (I7);
+  transfer   the transport writes the pages, closes the inbound window, then
+             hands over the manifest; decode reconciles it against the
+             reservation (I3) before anything is decoded;
+  decode     every DECODING row, every step, attending only its own pages.
+A reservation released while its inbound window is open parks its pages
+until the transport confirms (I7).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvfence.engine.config import EngineConfig
+from kvfence.engine.faults import Fault, FaultSet
+from kvfence.engine.messages import (
+    Bootstrap,
+    BootstrapReady,
+    ErrorInfo,
+    Failure,
+    PageRef,
+    TokenChunk,
+    TransferManifest,
+)
+from kvfence.engine.pool import FREE_OWNER, IsolationViolation, KVPool, PageHandle
+from kvfence.engine.reconcile import Reservation, TransferMismatch, reconcile
+from kvfence.engine.request import Request, RequestError, RequestState
+from kvfence.engine.runner import ModelRunner
+from kvfence.engine.sampling import Sampler, SampleRow, TokenLogprobs, stop_reason
+from kvfence.model.base import CausalLM
+from kvfence.model.batching import RowSpec
+
+
+def _info(error: RequestError) -> ErrorInfo:
+    return ErrorInfo(error.status, error.type, error.message, error.param, error.code)
+
+
+@dataclass(slots=True)
+class DecodeOutput:
+    """What decode produced since the last `drain()`: all of it goes to the router."""
+
+    ready: list[BootstrapReady] = field(default_factory=list)
+    events: list[TokenChunk | Failure] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.ready or self.events)
+
+
+@dataclass(slots=True)
+class DecodeCounters:
+    finished: int = 0
+    failed: int = 0
+    aborted: int = 0
+    rejected: int = 0
+    generation_tokens: int = 0
+    transfer_mismatches: int = 0
+    isolation_violations: int = 0
+    preempted: int = 0  # rows failed because the pool could not grow any row
+
+
+@dataclass(slots=True, eq=False)
+class _Seq:
+    req: Request
+    boot: Bootstrap
+    owner: int
+    pages: list[PageHandle] = field(default_factory=list)
+    reservation: Reservation | None = None
+    context: int = 0  # positions holding KV that this row attends
+    last_token: int = 0  # the token fed to the next step
+    num_generated: int = 0
+    cached_tokens: int = 0
+
+
+class DecodeEngine:
+    """Usage: `bootstrap(b)`, transport writes, `inbound_closed(room)`, `on_transfer(m, checksum)`,
+    then `step()` while `has_work`; `drain()` for what to send on."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        pool: KVPool,
+        config: EngineConfig,
+        faults: FaultSet | None = None,
+    ) -> None:
+        if pool.page_size != config.page_size:
+            raise ValueError(f"pool page size {pool.page_size} != config {config.page_size}")
+        self.pool = pool
+        self.config = config
+        self.faults = faults or FaultSet()
+        self.runner = ModelRunner(model, pool)
+        self.sampler = Sampler(config.sampler_seed)
+        self.eos = frozenset(config.eos_token_ids)
+        self.queued: deque[_Seq] = deque()  # bootstraps waiting for pages
+        self.seqs: dict[str, _Seq] = {}
+        self.running: list[_Seq] = []  # DECODING, in admission order
+        self.inbound: dict[str, list[int]] = {}  # rooms whose transfer may still land (I7)
+        self.counters = DecodeCounters()
+        self._out = DecodeOutput()
+
+    # ---- bootstrap ----------------------------------------------------------------------
+
+    def bootstrap(self, boot: Bootstrap) -> BootstrapReady | Failure | None:
+        """Reserve pages for exactly the prompt; None = queued until pages free up."""
+        if boot.room in self.seqs or boot.room in self.inbound:
+            error = RequestError(409, "conflict", f"room {boot.room} is already in use (I9)")
+            self.counters.rejected += 1
+            return Failure(boot.room, _info(error))
+        cap = self.pool.capacity_tokens
+        if boot.num_prompt_tokens > cap:
+            error = RequestError(
+                400,
+                "invalid_request_error",
+                f"prompt has {boot.num_prompt_tokens} tokens; this decode pool holds at most "
+                f"{cap} tokens",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+            self.counters.rejected += 1
+            return Failure(boot.room, _info(error))
+        req = Request(boot.room, boot.tenant, (0,) * boot.num_prompt_tokens, boot.max_tokens)
+        seq = _Seq(req, boot, self.pool.register_owner(f"decode:{boot.tenant}:{boot.room}"))
+        self.seqs[boot.room] = seq
+        if not self.queued and self._reserve(seq):
+            return self._ready(seq)
+        self.queued.append(seq)
+        return None
+
+    def _reserve(self, seq: _Seq) -> bool:
+        n = self.pool.geometry.pages_for(seq.boot.num_prompt_tokens)
+        if not self.pool.can_allocate(n):
+            return False  # never a partial reservation
+        handles = self.pool.allocate(seq.owner, n)
+        self.pool.begin_inbound(handles)
+        self.inbound[seq.req.rid] = [h.index for h in handles]
+        seq.pages = list(handles)
+        seq.reservation = Reservation(
+            seq.req.rid, seq.req.tenant, seq.boot.num_prompt_tokens, tuple(handles)
+        )
+        seq.req.advance(RequestState.BOOTSTRAPPING)
+        return True
+
+    @staticmethod
+    def _ready(seq: _Seq) -> BootstrapReady:
+        return BootstrapReady(seq.req.rid, tuple(PageRef(h.index, h.generation) for h in seq.pages))
+
+    def reservation(self, room: str) -> Reservation | None:
+        seq = self.seqs.get(room)
+        return seq.reservation if seq is not None else None
+
+    # ---- transfer -----------------------------------------------------------------------
+
+    def inbound_closed(self, room: str) -> None:
+        """The transport confirmed nothing more will land for `room` (written, cancelled, or sender dead)."""
+        indices = self.inbound.pop(room, None)
+        if indices is not None:
+            self.pool.end_inbound(indices)
+
+    def on_transfer(self, manifest: TransferManifest, payload_checksum: str) -> None:
+        """Accept a landed transfer only against its reservation (I3); then the row decodes."""
+        seq = self.seqs.get(manifest.room)
+        if (
+            seq is None
+            or seq.req.state is not RequestState.BOOTSTRAPPING
+            or seq.reservation is None
+        ):
+            return  # aborted meanwhile (its pages wait for inbound_closed) or never reserved
+        seq.req.advance(RequestState.TRANSFERRING)
+        try:
+            # I3. Under `decode-trusts-bootstrap` reconcile skips its checks (the pool's
+            # fault set) but still marks written only what the manifest says landed.
+            reconcile(manifest, seq.reservation, self.pool, payload_checksum)
+        except TransferMismatch as mismatch:
+            self.counters.transfer_mismatches += 1
+            error = RequestError(
+                502,
+                "transfer_mismatch",
+                f"KV transfer refused: {mismatch}",
+                code="transfer_mismatch",
+            )
+            self._end_failed(seq, error)
+            return
+        if Fault.DECODE_TRUSTS_BOOTSTRAP in self.faults:
+            # SGLang #30233: attend every reserved position, whatever arrived.
+            seq.context = seq.reservation.num_tokens
+        else:
+            seq.context = manifest.num_tokens
+        seq.req.advance(RequestState.DECODING)
+        seq.cached_tokens = manifest.cached_tokens
+        self.running.append(seq)
+        self._emit(seq, manifest.first_token, manifest.first_logprobs)
+
+    # ---- abort --------------------------------------------------------------------------
+
+    def abort(self, room: str, reason: str) -> None:
+        """Stop `room` at any stage; a reservation still open to a transfer is parked (I7)."""
+        seq = self.seqs.get(room)
+        if seq is None or seq.req.terminal:
+            return
+        seq.req.abort(RequestError(499, "aborted", reason))
+        self.counters.aborted += 1
+        if seq in self.queued:
+            self.queued.remove(seq)
+        self._close(seq)
+
+    # ---- the step -----------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        if self.running:
+            return True
+        if not self.queued:
+            return False
+        head = self.pool.geometry.pages_for(self.queued[0].boot.num_prompt_tokens)
+        return self.pool.can_allocate(head)
+
+    def drain(self) -> DecodeOutput:
+        out, self._out = self._out, DecodeOutput()
+        return out
+
+    def step(self) -> None:
+        self._admit_queued()
+        rows, seqs = self._schedule()
+        if not seqs:
+            return
+        try:
+            logits = self.runner.forward(rows)
+        except IsolationViolation as violation:
+            bad = set(self.runner.offending_rows(rows))
+            if not bad:
+                raise
+            for i in sorted(bad):
+                self.counters.isolation_violations += 1
+                self._end_failed(seqs[i], RequestError(500, "isolation_violation", str(violation)))
+            rows = [r for i, r in enumerate(rows) if i not in bad]
+            seqs = [s for i, s in enumerate(seqs) if i not in bad]
+            if not seqs:
+                return
+            logits = self.runner.forward(rows)
+        result = self.sampler.sample(
+            logits, [SampleRow(s.boot.sampling, s.num_generated) for s in seqs]
+        )
+        for seq, token, lps in zip(seqs, result.tokens, result.logprobs, strict=True):
+            seq.context += 1
+            self._emit(seq, token, lps or ())
+
+    def _admit_queued(self) -> None:
+        while self.queued and self._reserve(self.queued[0]):
+            self._out.ready.append(self._ready(self.queued.popleft()))
+
+    def _schedule(self) -> tuple[list[RowSpec], list[_Seq]]:
+        """Every DECODING row that has (or can get) a page for its next token; others hold."""
+        ps = self.pool.page_size
+        rows: list[RowSpec] = []
+        seqs: list[_Seq] = []
+        held: list[_Seq] = []
+        for seq in self.running[: self.config.max_running]:
+            if seq.req.state is not RequestState.DECODING:  # I2: allow-list
+                continue
+            if seq.context >= len(seq.pages) * ps:
+                if not self.pool.can_allocate(1):
+                    held.append(seq)
+                    continue
+                seq.pages.extend(self.pool.allocate(seq.owner, 1))
+            seqs.append(seq)
+            rows.append(
+                RowSpec(
+                    token_ids=(seq.last_token,),
+                    start=seq.context,
+                    pages=seq.pages[: seq.context // ps + 1],
+                    reader=seq.owner,
+                    namespace=FREE_OWNER,
+                    num_generated=seq.num_generated,
+                )
+            )
+        if not seqs and held:
+            # No row can grow: end the newest one honestly rather than stall everyone.
+            victim = held[-1]
+            self.counters.preempted += 1
+            self._end_failed(
+                victim,
+                RequestError(503, "server_overloaded", "the decode KV pool ran out of pages"),
+            )
+        return rows, seqs
+
+    # ---- outcomes -----------------------------------------------------------------------
+
+    def _emit(self, seq: _Seq, token: int, logprobs: TokenLogprobs) -> None:
+        seq.num_generated += 1
+        seq.last_token = token
+        self.counters.generation_tokens += 1
+        reason = stop_reason(token, seq.num_generated, seq.boot.sampling, self.eos)
+        if reason is None and seq.context + 1 > self.config.context_length:
+            reason = "length"  # the next token would pass the context window
+        self._out.events.append(
+            TokenChunk(
+                seq.req.rid,
+                (token,),
+                (logprobs,) if logprobs else (),
+                finish_reason=reason,
+                cached_tokens=seq.cached_tokens,
+            )
+        )
+        if reason is not None:
+            seq.req.finish(reason)
+            self.counters.finished += 1
+            self._close(seq)
+
+    def _end_failed(self, seq: _Seq, error: RequestError) -> None:
+        seq.req.fail(error)
+        self.counters.failed += 1
+        self._out.events.append(Failure(seq.req.rid, _info(error)))
+        self._close(seq)
+
+    def _close(self, seq: _Seq) -> None:
+        """Invalidate the request's pages (I5); parked while a transfer may land (I7)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        self.pool.release(seq.pages)
+        seq.pages = []
+        self.pool.forget_owner(seq.owner)
+        del self.seqs[seq.req.rid]
+
+    # ---- introspection ------------------------------------------------------------------
+
+    def outstanding_handles(self) -> list[PageHandle]:
+        return [h for s in self.seqs.values() for h in s.pages]

@@ -1,0 +1,398 @@
+"""The prefill engine: admission, token-budget batching, chunked prefill, outbound transfers.
+
+Network-free: it takes `PrefillWork`, `Abort` and transfer confirmations, and
+leaves what it produces in `drain()`: failures for the router, aborts and
+cancellations for decode, and outbound transfers for a KV transport.
+
+Admission is an allow-list (I2): a request is admitted only while its state
+is WAITING, and computed only while it is PREFILLING. A prompt that can never
+fit this pool is REJECTED there, with the original error, before any
+allocation or transfer; the router gets the error and decode an abort.
+Under the lab switch `abort-not-terminal` the pre-fix SGLang path (#30233)
+runs instead: the error goes to a side field, the prompt is replaced by a
+1-token placeholder and the request stays alive, so one page is prefilled and
+sent for a reservation that expects many.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvfence.engine.config import EngineConfig
+from kvfence.engine.faults import Fault, FaultSet
+from kvfence.engine.messages import (
+    Abort,
+    ErrorInfo,
+    Failure,
+    PageRef,
+    PrefillWork,
+    TransferDone,
+    TransferManifest,
+)
+from kvfence.engine.pool import IsolationViolation, KVPool, PageHandle
+from kvfence.engine.prefix_cache import PrefixCache, PrefixHit
+from kvfence.engine.request import Request, RequestError, RequestState
+from kvfence.engine.runner import ModelRunner
+from kvfence.engine.sampling import Sampler, SampleRow, TokenLogprobs
+from kvfence.model.base import CausalLM
+from kvfence.model.batching import RowSpec
+
+
+def error_info(error: RequestError) -> ErrorInfo:
+    return ErrorInfo(error.status, error.type, error.message, error.param, error.code)
+
+
+@dataclass(frozen=True, slots=True)
+class OutboundTransfer:
+    """KV for one request, ready to leave: `src_pages` (this pool) -> `dest_pages` (decode's).
+
+    The transport copies the first `num_tokens` token slots, computes the
+    payload checksum, and sends `manifest(checksum)`. Prefill keeps the
+    source pages until `PrefillEngine.transfer_done` (I7).
+    """
+
+    room: str
+    tenant: str
+    num_tokens: int
+    dest_pages: tuple[PageRef, ...]
+    src_pages: tuple[PageHandle, ...]
+    first_token: int
+    first_logprobs: TokenLogprobs
+    cached_tokens: int
+
+    def manifest(self, checksum: str) -> TransferManifest:
+        return TransferManifest(
+            room=self.room,
+            tenant=self.tenant,
+            num_tokens=self.num_tokens,
+            num_pages=len(self.src_pages),
+            dest_pages=self.dest_pages[: len(self.src_pages)],
+            checksum=checksum,
+            first_token=self.first_token,
+            first_logprobs=self.first_logprobs,
+            cached_tokens=self.cached_tokens,
+        )
+
+
+@dataclass(slots=True)
+class PrefillOutput:
+    """What prefill produced since the last `drain()`, by destination."""
+
+    to_router: list[Failure] = field(default_factory=list)
+    to_decode: list[Abort | TransferDone] = field(default_factory=list)
+    transfers: list[OutboundTransfer] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.to_router or self.to_decode or self.transfers)
+
+
+@dataclass(slots=True)
+class PrefillCounters:
+    rejected: int = 0
+    aborted: int = 0
+    failed: int = 0
+    transferred: int = 0
+    computed_tokens: int = 0
+    isolation_violations: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Seq:
+    req: Request
+    work: PrefillWork
+    owner: int  # this request's own pool owner id
+    namespace: str  # resolved prefix-cache namespace (I8)
+    ns_owner: int  # pool owner id of that namespace
+    input_ids: tuple[int, ...]  # what is computed: the prompt (or the lab's placeholder)
+    pages: list[PageHandle] = field(default_factory=list)  # covers input_ids, in order
+    own_pages: list[PageHandle] = field(default_factory=list)  # released by this request
+    cache_keys: list[int] = field(default_factory=list)  # cache references held
+    parent_key: int | None = None  # chain key of the last full page computed
+    computed: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def remaining(self) -> int:
+        return len(self.input_ids) - self.computed
+
+
+class PrefillEngine:
+    """Usage: `submit(work)`, `abort(room)`, `step()` while `has_work`, then `drain()`."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        pool: KVPool,
+        config: EngineConfig,
+        faults: FaultSet | None = None,
+    ) -> None:
+        if pool.page_size != config.page_size:
+            raise ValueError(f"pool page size {pool.page_size} != config {config.page_size}")
+        self.pool = pool
+        self.config = config
+        self.faults = faults or FaultSet()
+        self.runner = ModelRunner(model, pool)
+        self.sampler = Sampler(config.sampler_seed)
+        self.cache = PrefixCache(
+            pool,
+            faults=self.faults,
+            shared_namespace=config.shared_prefix_namespace,
+            enabled=config.prefix_cache,
+        )
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []  # PREFILLING, holding pages
+        self.sending: dict[str, _Seq] = {}  # handed to the transport, pages held until confirmed
+        self.seqs: dict[str, _Seq] = {}
+        self.counters = PrefillCounters()
+        self._out = PrefillOutput()
+
+    # ---- inputs -------------------------------------------------------------------------
+
+    def submit(self, work: PrefillWork) -> None:
+        if work.room in self.seqs:
+            raise ValueError(f"room {work.room} is already known to prefill (I9)")
+        req = Request(work.room, work.tenant, work.prompt_ids, work.sampling.max_tokens)
+        namespace = self.cache.resolve(work.cache_namespace)
+        seq = _Seq(
+            req=req,
+            work=work,
+            owner=self.pool.register_owner(f"prefill:{work.tenant}:{work.room}"),
+            namespace=namespace,
+            ns_owner=self.cache.owner_for(namespace),
+            input_ids=work.prompt_ids,
+        )
+        self.seqs[work.room] = seq
+        self.waiting.append(seq)
+
+    def abort(self, room: str, reason: str) -> None:
+        """Stop a request wherever it is. Pages in flight wait for `transfer_done` (I7)."""
+        seq = self.seqs.get(room)
+        if seq is None or seq.req.terminal:
+            return
+        seq.req.abort(RequestError(499, "aborted", reason))
+        self.counters.aborted += 1
+        if room in self.sending:
+            return  # the transport still owns the outcome; transfer_done releases
+        if seq in self.running:
+            self.running.remove(seq)
+        self._release(seq)
+        # Nothing will ever be sent for this room: decode may free its reservation (I7).
+        self._out.to_decode.append(TransferDone(room, ok=False))
+
+    def transfer_done(self, room: str, ok: bool) -> None:
+        """The transport finished (or gave up on) sending this request's KV: pages may go."""
+        seq = self.sending.pop(room, None)
+        if seq is None:
+            return
+        if seq.req.state is RequestState.TRANSFERRING:
+            if ok:
+                seq.req.advance(RequestState.FINISHED)  # prefill's part is done
+                self.counters.transferred += 1
+            else:
+                seq.req.fail(RequestError(502, "transfer_error", "the KV transfer failed"))
+                self.counters.failed += 1
+        self._release(seq)
+
+    # ---- the step -----------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def drain(self) -> PrefillOutput:
+        out, self._out = self._out, PrefillOutput()
+        return out
+
+    def step(self) -> None:
+        """One forward over running chunks first, then newly admitted prompts, within the budget."""
+        budget = self.config.max_batch_tokens
+        plan: list[tuple[_Seq, int]] = []
+        for seq in self.running:
+            if budget == 0:
+                break
+            n = min(seq.remaining, self.config.step_chunk, budget)
+            plan.append((seq, n))
+            budget -= n
+        while budget > 0 and self.waiting:
+            seq = self.waiting[0]
+            if not self._admissible(seq):
+                self.waiting.popleft()  # aborted while queued: nothing was allocated
+                continue
+            if not self._check_capacity(seq):
+                self.waiting.popleft()
+                continue
+            if not self._allocate(seq):
+                break  # clean queuing: wait for pages, never a partial allocation
+            self.waiting.popleft()
+            seq.req.advance(RequestState.PREFILLING)
+            self.running.append(seq)
+            n = min(seq.remaining, self.config.step_chunk, budget)
+            plan.append((seq, n))
+            budget -= n
+        if plan:
+            self._run(plan)
+
+    def _admissible(self, seq: _Seq) -> bool:
+        if Fault.ABORT_NOT_TERMINAL in self.faults:
+            return not seq.req.legacy_finished()  # SGLang #30233: blind to to_finish
+        return seq.req.state is RequestState.WAITING  # I2: allow-list, never `not finished()`
+
+    def _check_capacity(self, seq: _Seq) -> bool:
+        """A prompt that can never fit this pool ends here, before allocation or transfer (I2)."""
+        n, cap = len(seq.input_ids), self.pool.capacity_tokens
+        if n <= cap:
+            return True
+        error = RequestError(
+            400,
+            "invalid_request_error",
+            f"prompt has {n} tokens; this prefill pool holds at most {cap} tokens "
+            f"({self.pool.num_pages} pages of {self.pool.page_size})",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+        if Fault.ABORT_NOT_TERMINAL in self.faults:
+            # The pre-fix reject path: error stored aside, 1-token placeholder, still "alive".
+            seq.req.to_finish = error
+            seq.input_ids = seq.input_ids[:1]
+            return True
+        seq.req.reject(error)
+        self.counters.rejected += 1
+        self._out.to_router.append(Failure(seq.req.rid, error_info(error)))
+        self._out.to_decode.append(Abort(seq.req.rid, f"rejected by prefill: {error.message}"))
+        self._out.to_decode.append(TransferDone(seq.req.rid, ok=False))
+        self._release(seq)
+        return False
+
+    def _allocate(self, seq: _Seq) -> bool:
+        """All pages the prompt needs beyond its cache hit, or none (and False)."""
+        ps = self.pool.page_size
+        n_tokens = len(seq.input_ids)
+        hit = self.cache.match(seq.namespace, seq.input_ids)
+        n_total = -(-n_tokens // ps)
+        n_full = n_tokens // ps
+        n_need = n_total - len(hit.handles)
+        short = n_need - self.pool.num_free
+        if short > 0:
+            self.cache.evict(short)
+        if not self.pool.can_allocate(n_need):
+            self.cache.release(hit.keys)
+            return False
+        # Full pages may later enter the namespace's cache, so the namespace owns them.
+        full_owner = seq.ns_owner if self.cache.enabled else seq.owner
+        full = self.pool.allocate(full_owner, n_full - len(hit.handles))
+        tail = self.pool.allocate(seq.owner, n_total - n_full)
+        self._use_hit(seq, hit, n_tokens)
+        seq.pages.extend(full + tail)
+        seq.own_pages = full + tail
+        return True
+
+    def _use_hit(self, seq: _Seq, hit: PrefixHit, n_tokens: int) -> None:
+        self.cache.record(n_tokens, hit)
+        seq.pages = list(hit.handles)
+        seq.cache_keys = list(hit.keys)
+        seq.parent_key = hit.keys[-1] if hit.keys else None
+        seq.computed = seq.cached_tokens = hit.num_tokens
+
+    def _rows(self, plan: list[tuple[_Seq, int]]) -> list[RowSpec]:
+        ps = self.pool.page_size
+        rows = []
+        for seq, n in plan:
+            end = seq.computed + n
+            rows.append(
+                RowSpec(
+                    token_ids=seq.input_ids[seq.computed : end],
+                    start=seq.computed,
+                    pages=seq.pages[: -(-end // ps)],
+                    reader=seq.owner,
+                    namespace=seq.ns_owner,
+                    num_generated=0,
+                )
+            )
+        return rows
+
+    def _run(self, plan: list[tuple[_Seq, int]]) -> None:
+        rows = self._rows(plan)
+        try:
+            logits = self.runner.forward(rows)
+        except IsolationViolation as violation:
+            bad = set(self.runner.offending_rows(rows))
+            if not bad:
+                raise
+            for i in sorted(bad):
+                self._fail(plan[i][0], violation)
+            plan = [p for i, p in enumerate(plan) if i not in bad]
+            if not plan:
+                return
+            rows = [r for i, r in enumerate(rows) if i not in bad]
+            logits = self.runner.forward(rows)
+        done: list[tuple[int, _Seq]] = []
+        for i, (seq, n) in enumerate(plan):
+            start = seq.computed
+            seq.computed += n
+            self.counters.computed_tokens += n
+            self._cache_full_pages(seq, start, seq.computed)
+            if seq.remaining == 0:
+                done.append((i, seq))
+        if done:
+            idx = [i for i, _ in done]
+            result = self.sampler.sample(
+                logits[idx], [SampleRow(seq.work.sampling, 0) for _, seq in done]
+            )
+            for (_, seq), token, lps in zip(done, result.tokens, result.logprobs, strict=True):
+                self._send(seq, token, lps or ())
+
+    def _cache_full_pages(self, seq: _Seq, start: int, end: int) -> None:
+        """Offer pages this step completed to the cache: only now has the forward written them (I8)."""
+        ps = self.pool.page_size
+        for i in range(start // ps, end // ps):
+            page = seq.pages[i]
+            key, adopted = self.cache.insert(
+                seq.namespace, seq.parent_key, seq.input_ids[i * ps : (i + 1) * ps], page
+            )
+            seq.parent_key = key
+            if adopted:
+                seq.cache_keys.append(key)
+                seq.own_pages.remove(page)
+
+    def _send(self, seq: _Seq, token: int, logprobs: TokenLogprobs) -> None:
+        self.running.remove(seq)
+        seq.req.advance(RequestState.TRANSFERRING)
+        self.sending[seq.req.rid] = seq
+        self._out.transfers.append(
+            OutboundTransfer(
+                room=seq.req.rid,
+                tenant=seq.req.tenant,
+                num_tokens=len(seq.input_ids),
+                dest_pages=seq.work.dest_pages,
+                src_pages=tuple(seq.pages),
+                first_token=token,
+                first_logprobs=logprobs,
+                cached_tokens=seq.cached_tokens,
+            )
+        )
+
+    def _fail(self, seq: _Seq, violation: IsolationViolation) -> None:
+        self.counters.isolation_violations += 1
+        self.counters.failed += 1
+        error = RequestError(500, "isolation_violation", str(violation))
+        seq.req.fail(error)
+        self.running.remove(seq)
+        self._release(seq)
+        self._out.to_router.append(Failure(seq.req.rid, error_info(error)))
+        self._out.to_decode.append(Abort(seq.req.rid, "prefill failed"))
+        self._out.to_decode.append(TransferDone(seq.req.rid, ok=False))
+
+    def _release(self, seq: _Seq) -> None:
+        self.pool.release(seq.own_pages)
+        self.cache.release(seq.cache_keys)
+        seq.own_pages, seq.cache_keys, seq.pages = [], [], []
+        self.pool.forget_owner(seq.owner)
+        self.seqs.pop(seq.req.rid, None)
+
+    # ---- introspection ------------------------------------------------------------------
+
+    def outstanding_handles(self) -> list[PageHandle]:
+        """Every handle prefill holds (for `pool.check_integrity`)."""
+        held = [h for s in self.seqs.values() for h in s.own_pages]
+        return held + self.cache.handles()
