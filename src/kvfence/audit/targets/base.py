@@ -37,8 +37,9 @@ class TargetFacts:
     - `pool_tokens`: KV tokens the engine can hold for prompts (the prefill
       pool on a PD prefill node) — the number the capacity gate compares.
     - `context_length`: the model context the server advertises.
-    - `max_input`: the longest prompt the server says it accepts (may be
-      context_length or less).
+    - `max_input`: the longest prompt (in tokens) the server says it accepts
+      with max_tokens=1 — each adapter translates its engine's own rule
+      (prompt + max_tokens <= max_model_len, prompt < n_ctx, …) into this.
     - `page_size`: KV page / block size in tokens.
     - `prefix_caching`: bool; `cache_salt_supported`: bool.
     - `tokenizer`: "/tokenize" when the server tokenizes for us, else
@@ -101,6 +102,11 @@ class Endpoints:
             if path not in self._seen:
                 self._seen[path] = self.client.get(path, timeout_s=30.0)
             return self._seen[path]
+
+    def seen(self) -> dict[str, ProbeResponse]:
+        """Every response fetched so far, by path."""
+        with self._lock:
+            return dict(self._seen)
 
     def json(self, path: str) -> dict[str, Any] | None:
         """The JSON object at `path` when it answered 200 with one, else None."""

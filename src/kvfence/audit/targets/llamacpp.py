@@ -1,0 +1,89 @@
+"""llama.cpp's `llama-server`: `/props`, `/slots`, `/v1/models` meta, `/metrics`.
+
+The pool trap (PEERS.md): every slot reports `n_ctx`. With automatic slots
+they all draw on ONE shared pool of that size; with `-np N` each slot owns
+`n_ctx / N` — and nothing over HTTP says which mode is on. The adapter
+therefore reports the per-slot `n_ctx` as a *lower bound* of the pool, with
+a note, and never claims the sum over slots. Its length rule: a prompt must
+be shorter than the slot's `n_ctx`; a too-large max_tokens is cut silently.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from kvfence.audit.base import Fact
+from kvfence.audit.client import ProbeClient
+from kvfence.audit.targets.base import (
+    Endpoints,
+    Target,
+    TargetFacts,
+    json_int,
+    models_fact,
+    samples_named,
+    tokenizer_fact,
+)
+
+
+class LlamacppTarget(Target):
+    engine: ClassVar[str] = "llamacpp"
+
+    @classmethod
+    def identify(cls, endpoints: Endpoints) -> str | None:
+        props = endpoints.json("/props")
+        if props is not None and isinstance(props.get("default_generation_settings"), dict):
+            return "GET /props has default_generation_settings and total_slots (llama-server)"
+        return None
+
+    def read_facts(self, client: ProbeClient) -> TargetFacts:
+        ep = Endpoints(client)
+        model, entry = models_fact(ep)
+        facts = TargetFacts(engine=Fact("llamacpp", "GET /props"), model=model)
+        props = ep.json("/props") or {}
+        dgs = props.get("default_generation_settings")
+        n_ctx, _ = json_int(dgs if isinstance(dgs, dict) else None, "n_ctx")
+        src = "GET /props default_generation_settings.n_ctx"
+        if n_ctx is None:
+            meta = (entry or {}).get("meta")
+            n_ctx, _ = json_int(meta if isinstance(meta, dict) else None, "n_ctx")
+            src = "GET /v1/models data[0].meta.n_ctx"
+        slots, _ = json_int(props, "total_slots")
+        if slots is not None:
+            facts.extra["total_slots"] = Fact(slots, "GET /props total_slots")
+        slot_list = ep.get("/slots")
+        if slot_list.ok and isinstance(slot_list.json, list):
+            ctxs = [s.get("n_ctx") for s in slot_list.json if isinstance(s, dict)]
+            ints = [c for c in ctxs if isinstance(c, int)]
+            if ints:
+                facts.extra["slot_n_ctx_min"] = Fact(min(ints), "GET /slots [*].n_ctx (min)")
+                n_ctx = min(n_ctx, *ints) if n_ctx is not None else min(ints)
+        if n_ctx is None:
+            facts.context_length = Fact.unknown(src, "n_ctx not readable")
+            facts.pool_tokens = Fact.unknown(src, "n_ctx not readable")
+        else:
+            facts.context_length = Fact(n_ctx, src, "per slot")
+            facts.max_input = Fact(n_ctx - 1, f"{src} - 1", "llama-server needs prompt < n_ctx")
+            facts.pool_tokens = Fact(
+                n_ctx,
+                f"{src} (lower bound)",
+                "llama.cpp reports n_ctx per slot; with automatic slots all "
+                f"{slots if slots is not None else 'N'} slots share one pool of this size, "
+                "with -np N each owns n_ctx/N of it — HTTP does not say which, so only n_ctx "
+                "per slot is claimed: concurrent long prompts can still exhaust the shared pool",
+            )
+        facts.page_size = Fact.unknown(
+            "llama-server", "no paged KV over HTTP (contiguous per slot)"
+        )
+        facts.prefix_caching = Fact(
+            True, "llama-server default (cache_prompt)", "slot prompt reuse is on by default"
+        )
+        facts.cache_salt_supported = Fact(
+            False, "llama-server", "cache_salt is accepted and silently ignored (PEERS.md)"
+        )
+        facts.tokenizer = tokenizer_fact(client)
+        samples = ep.metrics()
+        for name in ("llamacpp:prompt_tokens_total", "llamacpp:requests_processing"):
+            found = samples_named(samples or [], name)
+            if found:
+                facts.counters[name] = Fact(sum(s.value for s in found), f"GET /metrics {name}")
+        return facts
