@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.faults import Fault, FaultSet
@@ -33,7 +34,14 @@ from kvfence.engine.messages import (
     TransferManifest,
 )
 from kvfence.engine.pool import FREE_OWNER, IsolationViolation, KVPool, PageHandle
-from kvfence.engine.reconcile import Reservation, TransferMismatch, reconcile
+from kvfence.engine.reconcile import (
+    Reservation,
+    TransferMismatch,
+    reconcile,
+)
+from kvfence.engine.reconcile import (
+    payload_checksum as measure_checksum,
+)
 from kvfence.engine.request import Request, RequestError, RequestState
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampling import Sampler, SampleRow, TokenLogprobs, stop_reason
@@ -43,6 +51,40 @@ from kvfence.model.batching import RowSpec
 
 def _info(error: RequestError) -> ErrorInfo:
     return ErrorInfo(error.status, error.type, error.message, error.param, error.code)
+
+
+class InboundWindow(Protocol):
+    """Opens and closes the window in which a transfer may land in reserved pages (I7).
+
+    A transport's receiver (`serve.transfer.KVReceiver`) is one; `PoolInbound`
+    is the default for transports that tell decode directly (`inbound_closed`).
+    """
+
+    def expect(self, reservation: Reservation) -> None:
+        """The pages are handed out: from now on a transfer may land (pool.begin_inbound)."""
+
+    def cancel(self, room: str) -> None:
+        """Decode gives up on `room`; the window closes once the transport confirms."""
+
+
+class PoolInbound:
+    """The window kept in the pool ledger alone; the transport closes it with `close`."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.open: dict[str, list[int]] = {}
+
+    def expect(self, reservation: Reservation) -> None:
+        self.pool.begin_inbound(reservation.handles)
+        self.open[reservation.room] = [h.index for h in reservation.handles]
+
+    def cancel(self, room: str) -> None:
+        return  # the pipeline's transport confirms with `close` (I7: never assumed)
+
+    def close(self, room: str) -> None:
+        indices = self.open.pop(room, None)
+        if indices is not None:
+            self.pool.end_inbound(indices)
 
 
 @dataclass(slots=True)
@@ -91,6 +133,8 @@ class DecodeEngine:
         pool: KVPool,
         config: EngineConfig,
         faults: FaultSet | None = None,
+        *,
+        inbound: InboundWindow | None = None,
     ) -> None:
         if pool.page_size != config.page_size:
             raise ValueError(f"pool page size {pool.page_size} != config {config.page_size}")
@@ -100,10 +144,11 @@ class DecodeEngine:
         self.runner = ModelRunner(model, pool)
         self.sampler = Sampler(config.sampler_seed)
         self.eos = frozenset(config.eos_token_ids)
+        self.local_inbound = PoolInbound(pool)
+        self.window: InboundWindow = inbound or self.local_inbound
         self.queued: deque[_Seq] = deque()  # bootstraps waiting for pages
         self.seqs: dict[str, _Seq] = {}
         self.running: list[_Seq] = []  # DECODING, in admission order
-        self.inbound: dict[str, list[int]] = {}  # rooms whose transfer may still land (I7)
         self.counters = DecodeCounters()
         self._out = DecodeOutput()
 
@@ -111,7 +156,7 @@ class DecodeEngine:
 
     def bootstrap(self, boot: Bootstrap) -> BootstrapReady | Failure | None:
         """Reserve pages for exactly the prompt; None = queued until pages free up."""
-        if boot.room in self.seqs or boot.room in self.inbound:
+        if boot.room in self.seqs or boot.room in self.local_inbound.open:
             error = RequestError(409, "conflict", f"room {boot.room} is already in use (I9)")
             self.counters.rejected += 1
             return Failure(boot.room, _info(error))
@@ -140,12 +185,11 @@ class DecodeEngine:
         if not self.pool.can_allocate(n):
             return False  # never a partial reservation
         handles = self.pool.allocate(seq.owner, n)
-        self.pool.begin_inbound(handles)
-        self.inbound[seq.req.rid] = [h.index for h in handles]
         seq.pages = list(handles)
         seq.reservation = Reservation(
             seq.req.rid, seq.req.tenant, seq.boot.num_prompt_tokens, tuple(handles)
         )
+        self.window.expect(seq.reservation)  # I7: a transfer may land from now on
         seq.req.advance(RequestState.BOOTSTRAPPING)
         return True
 
@@ -161,12 +205,14 @@ class DecodeEngine:
 
     def inbound_closed(self, room: str) -> None:
         """The transport confirmed nothing more will land for `room` (written, cancelled, or sender dead)."""
-        indices = self.inbound.pop(room, None)
-        if indices is not None:
-            self.pool.end_inbound(indices)
+        self.local_inbound.close(room)
 
-    def on_transfer(self, manifest: TransferManifest, payload_checksum: str) -> None:
-        """Accept a landed transfer only against its reservation (I3); then the row decodes."""
+    def on_transfer(self, manifest: TransferManifest, payload_checksum: str | None) -> None:
+        """Accept a landed transfer only against its reservation (I3); then the row decodes.
+
+        `payload_checksum` is what the transport measured as the bytes landed,
+        or None when the sender wrote in place: then decode checksums its own pages.
+        """
         seq = self.seqs.get(manifest.room)
         if (
             seq is None
@@ -175,6 +221,10 @@ class DecodeEngine:
         ):
             return  # aborted meanwhile (its pages wait for inbound_closed) or never reserved
         seq.req.advance(RequestState.TRANSFERRING)
+        if payload_checksum is None:
+            payload_checksum = measure_checksum(
+                self.pool, seq.reservation.handles, seq.reservation.num_tokens
+            )
         try:
             # I3. Under `decode-trusts-bootstrap` reconcile skips its checks (the pool's
             # fault set) but still marks written only what the manifest says landed.
@@ -206,10 +256,13 @@ class DecodeEngine:
         seq = self.seqs.get(room)
         if seq is None or seq.req.terminal:
             return
+        was = seq.req.state
         seq.req.abort(RequestError(499, "aborted", reason))
         self.counters.aborted += 1
         if seq in self.queued:
             self.queued.remove(seq)
+        elif was is RequestState.BOOTSTRAPPING:
+            self.window.cancel(room)  # the pages stay parked until the transport confirms (I7)
         self._close(seq)
 
     # ---- the step -----------------------------------------------------------------------

@@ -67,7 +67,7 @@ class OutboundTransfer:
             tenant=self.tenant,
             num_tokens=self.num_tokens,
             num_pages=len(self.src_pages),
-            dest_pages=self.dest_pages[: len(self.src_pages)],
+            dest_pages=self.dest_pages,
             checksum=checksum,
             first_token=self.first_token,
             first_logprobs=self.first_logprobs,

@@ -1,0 +1,418 @@
+"""The in-process PD pipeline: router, prefill and decode roles in one engine thread.
+
+kvfence is always disaggregated in structure. Here the prefill engine and the
+decode engine each own a `KVPool` in the same process, and a `KVCopy` moves
+KV from one to the other with a manifest that decode reconciles (I3), inside
+an inbound window that defers any release (I7). The disaggregated backend
+runs the very same engines in separate processes.
+
+One engine thread loops: take new submits and aborts (the router role:
+bootstrap at decode, then prefill work), one prefill step, the KV copies it
+produced, one decode step, then deliver events. It sleeps on a condition when
+there is nothing to do. Every request ends exactly once at its sink: its last
+`TokenChunk` (with `finish_reason`) or one `Failure` (I6).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kvfence.engine.config import EngineConfig
+from kvfence.engine.decode import DecodeEngine
+from kvfence.engine.faults import Fault, FaultSet
+from kvfence.engine.geometry import KVGeometry
+from kvfence.engine.messages import (
+    Abort,
+    Bootstrap,
+    BootstrapReady,
+    ErrorInfo,
+    Failure,
+    PrefillWork,
+    TokenChunk,
+    TransferDone,
+)
+from kvfence.engine.pool import KVPool
+from kvfence.engine.prefill import OutboundTransfer, PrefillEngine, PrefillOutput
+from kvfence.engine.reconcile import payload_checksum
+from kvfence.model.base import CausalLM
+from kvfence.serve.backend import BackendStats, GenerateWork, PoolInfo, Sink
+
+log = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 0.01  # re-check after a step that made no progress (e.g. waiting for pages)
+
+
+class KVCopy(Protocol):
+    """Moves one request's KV from prefill's pool into decode's reserved pages.
+
+    Must write only into pages whose inbound window is open, close the window
+    when nothing more will land (`decode.inbound_closed`), then hand decode
+    the manifest (`decode.on_transfer`). Returns False if it refused to write.
+    """
+
+    def send(self, transfer: OutboundTransfer, src: KVPool, decode: DecodeEngine) -> bool: ...
+
+
+class InProcessCopy:
+    """Page-to-page tensor copy between two pools in one process (the embedded default)."""
+
+    def send(self, transfer: OutboundTransfer, src: KVPool, decode: DecodeEngine) -> bool:
+        if transfer.room not in decode.local_inbound.open:
+            return False  # no window open for this room: never write into someone's pages
+        manifest = transfer.manifest(payload_checksum(src, transfer.src_pages, transfer.num_tokens))
+        n = len(transfer.src_pages)
+        src_idx = torch.tensor([h.index for h in transfer.src_pages], dtype=torch.int64)
+        dst_idx = torch.tensor([r.index for r in transfer.dest_pages[:n]], dtype=torch.int64)
+        dst = decode.pool
+        dst.k[:, dst_idx] = src.k[:, src_idx]
+        dst.v[:, dst_idx] = src.v[:, src_idx]
+        decode.inbound_closed(transfer.room)  # I7: nothing more will land
+        decode.on_transfer(manifest, None)  # decode checksums what landed in its own pages
+        return True
+
+
+@dataclass(slots=True)
+class _Submit:
+    work: GenerateWork
+    sink: Sink
+
+
+@dataclass(slots=True)
+class _AbortCmd:
+    room: str
+    reason: str
+
+
+class LocalPipeline:
+    """The embedded default `Backend`: prefill + decode engines, each with its own pool.
+
+    Example::
+
+        from kvfence.engine.config import EngineConfig
+        from kvfence.engine.messages import SamplingParams
+        from kvfence.engine.pipeline import CollectingSink, LocalPipeline
+        from kvfence.model.loader import load_model
+        from kvfence.serve.backend import GenerateWork
+
+        loaded = load_model(checkpoint_dir, kind="mirror")
+        geometry = loaded.config.kv_geometry(page_size=16)
+        config = EngineConfig(prefill_pages=256, decode_pages=512, page_size=16,
+                              eos_token_ids=loaded.config.eos_token_ids)
+        pipe = LocalPipeline(loaded.model, geometry, config)
+        pipe.start()
+        sink = CollectingSink()
+        pipe.submit(GenerateWork("room-1", "tenant-a", (5, 6, 7), SamplingParams(max_tokens=3,
+                    temperature=0.0), "tenant-a"), sink)
+        result = sink.wait(timeout=30)   # result.token_ids == [5, 6, 7] on the mirror model
+        pipe.stop()
+
+    `submit` and `abort` are thread-safe and never block on the model; events
+    reach the sink from the engine thread.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        geometry: KVGeometry,
+        config: EngineConfig,
+        faults: FaultSet | None = None,
+        *,
+        kv_copy: KVCopy | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if geometry.page_size != config.page_size:
+            raise ValueError(
+                f"geometry page size {geometry.page_size} != config page size {config.page_size}"
+            )
+        self.config = config
+        self.faults = faults or FaultSet()
+        self.prefill_pool = KVPool(
+            geometry, config.prefill_pages, scrub=config.scrub, faults=self.faults, device=device
+        )
+        self.decode_pool = KVPool(
+            geometry, config.decode_pages, scrub=config.scrub, faults=self.faults, device=device
+        )
+        self.prefill = PrefillEngine(model, self.prefill_pool, config, self.faults)
+        self.decode = DecodeEngine(model, self.decode_pool, config, self.faults)
+        self.kv_copy: KVCopy = kv_copy or InProcessCopy()
+        self._cond = threading.Condition()
+        self._inbox: list[_Submit | _AbortCmd] = []
+        self._sinks: dict[str, Sink] = {}  # rooms not yet ended (I6: each ends once)
+        self._pending: dict[str, PrefillWork] = {}  # waiting for decode's reservation
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._idle = True
+        self._broken: str | None = None
+        self._aborted = 0
+        self._prompt_tokens = 0
+        self._transfer_failures = 0
+
+    # ---- Backend ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("pipeline already started")
+        self._thread = threading.Thread(target=self._loop, name="kvfence-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def submit(self, work: GenerateWork, sink: Sink) -> None:
+        with self._cond:
+            self._inbox.append(_Submit(work, sink))
+            self._idle = False
+            self._cond.notify_all()
+
+    def abort(self, room: str, reason: str) -> None:
+        with self._cond:
+            self._inbox.append(_AbortCmd(room, reason))
+            self._idle = False
+            self._cond.notify_all()
+
+    def stats(self) -> BackendStats:
+        p, d = self.prefill.counters, self.decode.counters
+        cache = self.prefill.cache
+        return BackendStats(
+            requests_finished=d.finished,
+            requests_rejected=p.rejected + d.rejected,
+            requests_aborted=self._aborted,
+            requests_failed=p.failed + d.failed,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=d.generation_tokens,
+            prefix_cache_queried_tokens=cache.queried_tokens,
+            prefix_cache_hit_tokens=cache.hit_tokens,
+            isolation_violations=p.isolation_violations + d.isolation_violations,
+            transfer_mismatches=d.transfer_mismatches,
+            transfer_failures=self._transfer_failures,
+            pools=(
+                _pool_info("prefill", self.prefill_pool),
+                _pool_info("decode", self.decode_pool),
+            ),
+        )
+
+    # ---- for tests and operators (call at a quiescent point) --------------------------------
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until the engine thread has nothing left to do; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._idle and not self._inbox, timeout)
+
+    def check_integrity(self) -> None:
+        """Both ledgers consistent and every handle the engines hold still current."""
+        self.prefill_pool.check_integrity(self.prefill.outstanding_handles())
+        self.decode_pool.check_integrity(self.decode.outstanding_handles())
+
+    def clear_prefix_cache(self) -> int:
+        """Evict every unreferenced cached page (stop the pipeline or wait_idle first)."""
+        return self.prefill.cache.clear()
+
+    # ---- the engine thread ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopping or self._inbox or self._has_work()):
+                    self._idle = True
+                    self._cond.notify_all()
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                inbox, self._inbox = self._inbox, []
+            try:
+                progressed = self._iterate(inbox)
+            except Exception as e:  # an engine bug: end every open request honestly (I6)
+                log.exception("engine thread failed")
+                self._break(f"engine error: {type(e).__name__}: {e}")
+                return
+            if not progressed:
+                with self._cond:
+                    self._cond.wait(_IDLE_POLL_S)
+
+    def _has_work(self) -> bool:
+        return self.prefill.has_work or self.decode.has_work
+
+    def _iterate(self, inbox: Iterable[_Submit | _AbortCmd]) -> bool:
+        progressed = False
+        for cmd in inbox:
+            progressed = True
+            if isinstance(cmd, _Submit):
+                self._route_submit(cmd.work, cmd.sink)
+            else:
+                self._route_abort(cmd.room, cmd.reason)
+        before = self.prefill.counters.computed_tokens + self.decode.counters.generation_tokens
+        if self.prefill.has_work:
+            self.prefill.step()
+        progressed |= self._route_prefill(self.prefill.drain())
+        if self.decode.has_work:
+            self.decode.step()
+        progressed |= self._route_decode()
+        after = self.prefill.counters.computed_tokens + self.decode.counters.generation_tokens
+        return progressed or after != before
+
+    # ---- routing (the router role) ----------------------------------------------------------
+
+    def _route_submit(self, work: GenerateWork, sink: Sink) -> None:
+        if self._broken is not None:
+            sink(Failure(work.room, ErrorInfo(503, "server_error", self._broken)))
+            return
+        if work.room in self._sinks:
+            sink(Failure(work.room, ErrorInfo(409, "conflict", f"room {work.room} is in use (I9)")))
+            return
+        self._sinks[work.room] = sink
+        self._prompt_tokens += len(work.prompt_ids)
+        self._pending[work.room] = PrefillWork(
+            room=work.room,
+            tenant=work.tenant,
+            prompt_ids=work.prompt_ids,
+            sampling=work.sampling,
+            dest_pages=(),
+            cache_namespace=work.cache_namespace,
+        )
+        answer = self.decode.bootstrap(
+            Bootstrap(
+                room=work.room,
+                tenant=work.tenant,
+                num_prompt_tokens=len(work.prompt_ids),
+                max_tokens=work.sampling.max_tokens,
+                sampling=work.sampling,
+            )
+        )
+        if isinstance(answer, BootstrapReady):
+            self._on_ready(answer)
+        elif isinstance(answer, Failure):
+            self._pending.pop(work.room, None)
+            self._deliver(answer)
+
+    def _on_ready(self, ready: BootstrapReady) -> None:
+        work = self._pending.pop(ready.room, None)
+        if work is None:
+            return
+        self.prefill.submit(
+            PrefillWork(
+                room=work.room,
+                tenant=work.tenant,
+                prompt_ids=work.prompt_ids,
+                sampling=work.sampling,
+                dest_pages=ready.pages,
+                cache_namespace=work.cache_namespace,
+            )
+        )
+
+    def _route_abort(self, room: str, reason: str) -> None:
+        if room not in self._sinks:
+            return
+        self._aborted += 1
+        self._pending.pop(room, None)
+        self.prefill.abort(room, reason)
+        self.decode.abort(room, reason)
+        self._route_prefill(self.prefill.drain())
+        if Fault.ABORT_AS_SUCCESS in self.faults:
+            # SGLang #33507: the abort reported as a normal end, HTTP 200.
+            self._deliver(TokenChunk(room, (), finish_reason="length"))
+        else:
+            self._deliver(Failure(room, ErrorInfo(499, "aborted", f"request aborted: {reason}")))
+
+    def _route_prefill(self, out: PrefillOutput) -> bool:
+        for failure in out.to_router:
+            self._deliver(failure)
+        for msg in out.to_decode:
+            if isinstance(msg, Abort):
+                self.decode.abort(msg.room, msg.reason)
+            elif isinstance(msg, TransferDone):
+                self.decode.inbound_closed(msg.room)  # prefill will never send: window closes (I7)
+        for transfer in out.transfers:
+            sent = self.kv_copy.send(transfer, self.prefill_pool, self.decode)
+            if not sent:
+                self._transfer_failures += 1
+            self.prefill.transfer_done(transfer.room, ok=sent)  # I7: only now may prefill free
+        return bool(out)
+
+    def _route_decode(self) -> bool:
+        out = self.decode.drain()
+        for ready in out.ready:
+            self._on_ready(ready)
+        for event in out.events:
+            self._deliver(event)
+        return bool(out)
+
+    def _deliver(self, event: TokenChunk | Failure) -> None:
+        final = isinstance(event, Failure) or event.finish_reason is not None
+        sink = self._sinks.pop(event.room, None) if final else self._sinks.get(event.room)
+        if sink is None:
+            return  # already ended (I6: exactly once)
+        try:
+            sink(event)
+        except Exception:
+            log.exception("sink for room %s failed; aborting the request", event.room)
+            if not final:
+                self._sinks.pop(event.room, None)
+                self.prefill.abort(event.room, "sink failed")
+                self.decode.abort(event.room, "sink failed")
+
+    def _break(self, why: str) -> None:
+        self._broken = why
+        for room in list(self._sinks):
+            self._deliver(Failure(room, ErrorInfo(500, "server_error", why)))
+        with self._cond:
+            self._idle = True
+            self._cond.notify_all()
+
+
+def _pool_info(role: str, pool: KVPool) -> PoolInfo:
+    return PoolInfo(
+        role=role,
+        pool_tokens=pool.capacity_tokens,
+        page_size=pool.page_size,
+        pages_used=pool.num_used,
+        pages_free=pool.num_free,
+        pages_pending=pool.num_pending,
+    )
+
+
+@dataclass(slots=True)
+class Result:
+    token_ids: list[int]
+    logprobs: list[tuple[tuple[int, float], ...]]
+    finish_reason: str | None
+    error: ErrorInfo | None
+    cached_tokens: int
+
+
+class CollectingSink:
+    """A sink that gathers one request's events; `wait()` returns its `Result`."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._result = Result([], [], None, None, 0)
+        self.events: list[TokenChunk | Failure] = []
+
+    def __call__(self, event: TokenChunk | Failure) -> None:
+        self.events.append(event)
+        r = self._result
+        if isinstance(event, Failure):
+            r.error = event.error
+            self._done.set()
+            return
+        r.token_ids.extend(event.token_ids)
+        r.logprobs.extend(event.logprobs)
+        r.cached_tokens = event.cached_tokens
+        if event.finish_reason is not None:
+            r.finish_reason = event.finish_reason
+            self._done.set()
+
+    def wait(self, timeout: float | None = None) -> Result:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request did not end within {timeout} s")
+        return self._result
