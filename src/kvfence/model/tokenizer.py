@@ -76,7 +76,7 @@ class Tokenizer:
     extra_eos_ids: tuple[int, ...] = field(default=())
 
     @classmethod
-    def from_dir(cls, directory: str | Path) -> Tokenizer:
+    def from_dir(cls, directory: str | Path, *, extra_eos_ids: tuple[int, ...] = ()) -> Tokenizer:
         directory = Path(directory)
         path = directory / "tokenizer.json"
         if not path.is_file():
@@ -100,7 +100,13 @@ class Tokenizer:
             if template_src
             else None
         )
-        return cls(backend=backend, bos_token=bos, eos_token=eos, chat_template=template)
+        return cls(
+            backend=backend,
+            bos_token=bos,
+            eos_token=eos,
+            chat_template=template,
+            extra_eos_ids=extra_eos_ids,
+        )
 
     # ---- ids --------------------------------------------------------------------------
 

@@ -1,0 +1,228 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral) on the paged KV pool.
+
+The math follows Hugging Face's modeling code (RMSNorm in float32, RoPE with
+`rope_theta` and linear/llama3 scaling, grouped-query attention, SwiGLU), with
+q/k/v and gate/up fused into one matmul each. K/V are only written at the
+batch's slots and only read through its page tables (`attention.begin_step`
+verifies them once per step, I1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from kvfence.engine.pool import KVPool
+from kvfence.model.attention import AttentionBackend, AttentionPlan, begin_step, get_backend
+from kvfence.model.base import CausalLM, ForwardBatch
+from kvfence.model.config import ModelConfig, RopeScaling
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """Inverse frequencies as HF computes them (`default`, `linear`, `llama3`)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling.rope_type == "linear":
+        return inv / scaling.factor
+    if scaling.rope_type == "llama3":
+        old = scaling.original_max_position_embeddings
+        low_wavelen = old / scaling.low_freq_factor
+        high_wavelen = old / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+        smooth = (old / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim]; cos/sin [T, 1, head_dim/2] (HF's rotate_half convention)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _param(t: torch.Tensor) -> torch.nn.Parameter:
+    return torch.nn.Parameter(t, requires_grad=False)
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.index = index
+        self.window = c.window_for_layer(index)
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.q_size, self.kv_size = q, kv
+        self.input_norm = _param(torch.ones(c.hidden_size, dtype=dtype))
+        self.post_norm = _param(torch.ones(c.hidden_size, dtype=dtype))
+        self.qkv_weight = _param(torch.empty(q + 2 * kv, c.hidden_size, dtype=dtype))
+        self.qkv_bias = _param(torch.zeros(q + 2 * kv, dtype=dtype)) if c.qkv_bias else None
+        self.o_weight = _param(torch.empty(c.hidden_size, q, dtype=dtype))
+        self.o_bias = _param(torch.zeros(c.hidden_size, dtype=dtype)) if c.o_bias else None
+        ff = c.intermediate_size
+        self.gate_up_weight = _param(torch.empty(2 * ff, c.hidden_size, dtype=dtype))
+        self.gate_up_bias = _param(torch.zeros(2 * ff, dtype=dtype)) if c.mlp_bias else None
+        self.down_weight = _param(torch.empty(c.hidden_size, ff, dtype=dtype))
+        self.down_bias = _param(torch.zeros(c.hidden_size, dtype=dtype)) if c.mlp_bias else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        model: LlamaModel,
+        pool: KVPool,
+        batch: ForwardBatch,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        c = model.config
+        t = x.shape[0]
+        h = rms_norm(x, self.input_norm, c.rms_norm_eps)
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = apply_rope(q.view(t, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
+        v = v.reshape(t, c.num_kv_heads, c.head_dim)
+        model.backend.write(pool, self.index, batch.slot_mapping, k, v)
+        o = model.backend.attend(pool, self.index, q, plan, scale=model.scale, window=self.window)
+        x = x + F.linear(o, self.o_weight, self.o_bias)
+        h = rms_norm(x, self.post_norm, c.rms_norm_eps)
+        gate, up = F.linear(h, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+
+
+class LlamaModel(CausalLM):
+    """A Llama-family decoder whose KV lives in a `KVPool`. Build with `from_hf_weights`."""
+
+    inv_freq: torch.Tensor
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        backend: AttentionBackend | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.backend = backend or get_backend("cpu")
+        self.scale = config.head_dim**-0.5
+        self.embed = _param(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
+        self.layers = torch.nn.ModuleList(
+            DecoderLayer(config, i, dtype) for i in range(config.num_layers)
+        )
+        self.norm = _param(torch.ones(config.hidden_size, dtype=dtype))
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else _param(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
+        )
+        self.register_buffer(
+            "inv_freq",
+            rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling),
+            persistent=False,
+        )
+
+    # ---- weights ------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_weights(
+        cls,
+        config: ModelConfig,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        dtype: torch.dtype = torch.float32,
+        backend: AttentionBackend | None = None,
+    ) -> LlamaModel:
+        """Build from HF parameter names; raise ValueError naming missing or unexpected ones."""
+        model = cls(config, dtype=dtype, backend=backend)
+        model.load_hf_weights(tensors)
+        return model
+
+    def load_hf_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        c = self.config
+        used: set[str] = set()
+        missing: list[str] = []
+
+        def take(name: str) -> torch.Tensor | None:
+            if name not in tensors:
+                missing.append(name)
+                return None
+            used.add(name)
+            return tensors[name]
+
+        def put(dst: torch.nn.Parameter | None, *names: str) -> None:
+            parts = [take(n) for n in names]
+            if dst is None or any(p is None for p in parts):
+                return
+            src = torch.cat([p for p in parts if p is not None], dim=0)
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(
+                    f"weight {'+'.join(names)} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
+                )
+            dst.data.copy_(src.to(dst.dtype))
+
+        put(self.embed, "model.embed_tokens.weight")
+        put(self.norm, "model.norm.weight")
+        if self.lm_head is not None:
+            put(self.lm_head, "lm_head.weight")
+        elif "lm_head.weight" in tensors:
+            used.add("lm_head.weight")  # tied: some checkpoints store the copy anyway
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            p = f"model.layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            put(layer.input_norm, p + "input_layernorm.weight")
+            put(layer.post_norm, p + "post_attention_layernorm.weight")
+            put(layer.qkv_weight, a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
+            put(layer.o_weight, a + "o_proj.weight")
+            put(layer.gate_up_weight, m + "gate_proj.weight", m + "up_proj.weight")
+            put(layer.down_weight, m + "down_proj.weight")
+            if c.qkv_bias:
+                put(layer.qkv_bias, a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
+            if c.o_bias:
+                put(layer.o_bias, a + "o_proj.bias")
+            if c.mlp_bias:
+                put(layer.gate_up_bias, m + "gate_proj.bias", m + "up_proj.bias")
+                put(layer.down_bias, m + "down_proj.bias")
+        unexpected = sorted(
+            n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq")
+        )
+        if missing or unexpected:
+            raise ValueError(
+                "checkpoint does not match the config: "
+                f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+                f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+            )
+
+    # ---- forward ------------------------------------------------------------------------
+
+    def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        with torch.inference_mode():
+            begin_step(pool, batch)  # I1: writes checked, page tables verified, before any gather
+            plan = self.backend.plan(pool, batch)
+            freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
+            cos = freqs.cos().to(self.dtype)[:, None, :]
+            sin = freqs.sin().to(self.dtype)[:, None, :]
+            x = F.embedding(batch.input_ids, self.embed)
+            for layer in self.layers:
+                x = layer(x, self, pool, batch, cos, sin, plan)
+            if not batch.all_logits:
+                x = x[batch.query_starts[1:] - 1]
+            x = rms_norm(x, self.norm, self.config.rms_norm_eps)
+            head = self.embed if self.lm_head is None else self.lm_head
+            return F.linear(x, head).float()
