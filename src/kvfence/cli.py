@@ -15,6 +15,7 @@ from kvfence.engine.sizing import (
     capacity_gate,
     pool_from_budget,
 )
+from kvfence.serve.cli import serve
 
 # The built-in tiny geometry (the checkpoint `kvfence make-model` writes).
 TINY_GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=32, page_size=16, dtype="float32")
@@ -98,3 +99,6 @@ def make_model(out_dir: str, preset: str, seed: int) -> None:
 
     path = make_tiny_checkpoint(out_dir, seed=seed, preset=preset)
     click.echo(f"wrote {preset} checkpoint (seed {seed}) to {path}")
+
+
+main.add_command(serve)

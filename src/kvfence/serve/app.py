@@ -1,0 +1,147 @@
+"""The FastAPI app: OpenAI-compatible routes, tokenize/detokenize, health, metrics, server_info.
+
+`create_app` runs the capacity gate on the backend's live pools (I4) and raises
+`CapacityGateError` when the server must not start. The caller owns the
+backend's lifecycle (start before, stop after). Every route except /health
+requires a tenant key unless the server runs in the explicit no-auth dev mode.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvfence.model.tokenizer import Tokenizer
+from kvfence.serve import protocol
+from kvfence.serve.backend import Backend
+from kvfence.serve.config import Capacity, ServeConfig, decide_capacity
+from kvfence.serve.info import server_info
+from kvfence.serve.metrics import RouterCounters, make_registry, render
+from kvfence.serve.protocol import ApiError
+from kvfence.serve.router import Router, read_body
+from kvfence.serve.tenants import TenantRegistry
+
+PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _StatusCounter:
+    """Pure ASGI middleware: count every response status (streaming responses included)."""
+
+    def __init__(self, app: ASGIApp, counters: RouterCounters) -> None:
+        self.app = app
+        self.counters = counters
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.counters.statuses[str(message["status"])] += 1
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def create_app(
+    backend: Backend,
+    tokenizer: Tokenizer,
+    config: ServeConfig,
+    tenants: TenantRegistry,
+    *,
+    capacity: Capacity | None = None,
+) -> FastAPI:
+    """Build the server. Raises `CapacityGateError` if the pools cannot hold the context (I4)."""
+    if capacity is None:
+        capacity = decide_capacity(config, backend.stats().pools)
+    counters = RouterCounters()
+    router = Router(backend, tokenizer, config, capacity, tenants, counters)
+    registry = make_registry(
+        counters,
+        backend.stats,
+        max_total_num_tokens=capacity.max_total_num_tokens,
+        context_length=config.context_length,
+    )
+    app = FastAPI(title="kvfence", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.router = router
+    app.state.capacity = capacity
+    app.add_middleware(_StatusCounter, counters=counters)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, e: ApiError) -> Response:
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, _e: Exception) -> Response:
+        err = ApiError(404, f"no route {request.url.path}", code="not_found")
+        return JSONResponse(err.body(), status_code=404)
+
+    @app.exception_handler(405)
+    async def bad_method(request: Request, _e: Exception) -> Response:
+        err = ApiError(405, f"{request.method} is not allowed on {request.url.path}")
+        return JSONResponse(err.body(), status_code=405)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.generate(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await router.generate(request, "chat")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        router.authenticate(request)
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": config.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "kvfence",
+                    "max_model_len": config.context_length,
+                }
+            ],
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        router.authenticate(request)
+        obj = protocol.load_json(await read_body(request, router.body_limit))
+        router.check_model(obj.get("model") if isinstance(obj.get("model"), str) else None)
+        prompt, messages = protocol.parse_tokenize(obj)
+        ids = tokenizer.encode(prompt) if prompt is not None else router.encode_chat(messages or ())
+        return {"count": len(ids), "max_model_len": config.context_length, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        router.authenticate(request)
+        obj = protocol.load_json(await read_body(request, router.body_limit))
+        ids = protocol.parse_detokenize(obj)
+        router.check_model(obj.get("model") if isinstance(obj.get("model"), str) else None)
+        router.check_ids(ids, "tokens")
+        return {"prompt": tokenizer.decode(ids)}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        router.authenticate(request)
+        return Response(render(registry), media_type=PROMETHEUS_TYPE)
+
+    async def info(request: Request) -> dict[str, Any]:
+        router.authenticate(request)
+        return server_info(config, capacity, backend.stats(), tenants.auth)
+
+    app.add_api_route("/server_info", info, methods=["GET"])
+    app.add_api_route("/get_server_info", info, methods=["GET"])
+    return app

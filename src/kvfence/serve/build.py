@@ -1,0 +1,101 @@
+"""Wiring for the single-process server: checkpoint -> model -> LocalPipeline -> ServeConfig.
+
+Pool sizes are given in pages or bytes per role; bytes are turned into whole
+pages the way engines do (`pool_from_budget`). The server's engine facts
+(scrub policy, prefix-cache namespacing, transport) are read from the
+pipeline's own configuration, so /server_info reports what runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvfence.engine.config import EngineConfig
+from kvfence.engine.faults import FaultSet
+from kvfence.engine.geometry import KVGeometry
+from kvfence.engine.pipeline import LocalPipeline
+from kvfence.engine.pool import ScrubPolicy
+from kvfence.engine.sizing import DEFAULT_HEADROOM, MemoryBudget, pool_from_budget
+from kvfence.model.loader import LoadedModel, load_model
+from kvfence.serve.config import ServeConfig
+
+DEFAULT_KV_BYTES = 64 * 1024 * 1024  # per role
+SHARED_NAMESPACE = "shared"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSizes:
+    """KV pool size per role: pages, or a byte budget (exactly one per role)."""
+
+    prefill_pages: int | None = None
+    decode_pages: int | None = None
+    prefill_bytes: int | None = None
+    decode_bytes: int | None = None
+
+    def pages(self, role: str, geometry: KVGeometry) -> int:
+        pages = getattr(self, f"{role}_pages")
+        budget = getattr(self, f"{role}_bytes")
+        if pages is not None and budget is not None:
+            raise ValueError(f"give either pages or bytes for the {role} pool, not both")
+        if pages is not None:
+            return int(pages)
+        kv_bytes = DEFAULT_KV_BYTES if budget is None else int(budget)
+        return pool_from_budget(geometry, MemoryBudget(kv_bytes=kv_bytes)).num_pages
+
+
+@dataclass(frozen=True, slots=True)
+class ServerParts:
+    loaded: LoadedModel
+    pipeline: LocalPipeline
+    config: ServeConfig
+
+
+def build_local(
+    model_dir: str | Path,
+    *,
+    kind: str = "llama",
+    context_length: int | None = None,
+    pools: PoolSizes = PoolSizes(),
+    page_size: int = 16,
+    scrub: ScrubPolicy = ScrubPolicy.NONE,
+    faults: FaultSet | None = None,
+    prefix_cache: bool = True,
+    shared_prefix_cache: bool = False,
+    headroom: float = DEFAULT_HEADROOM,
+    allow_undersized_pool: bool = False,
+    lab_profile: str | None = None,
+    default_max_tokens: int = 16,
+) -> ServerParts:
+    """Load the checkpoint and build a (not yet started) pipeline and the server's config."""
+    loaded = load_model(model_dir, kind=kind)
+    geometry = loaded.config.kv_geometry(page_size=page_size)
+    ctx = context_length if context_length is not None else loaded.config.max_position_embeddings
+    engine = EngineConfig(
+        prefill_pages=pools.pages("prefill", geometry),
+        decode_pages=pools.pages("decode", geometry),
+        page_size=page_size,
+        context_length=ctx,
+        scrub=scrub,
+        prefix_cache=prefix_cache,
+        shared_prefix_namespace=SHARED_NAMESPACE if shared_prefix_cache else None,
+        eos_token_ids=loaded.tokenizer.eos_ids,
+    )
+    faults = faults or FaultSet()
+    pipeline = LocalPipeline(loaded.model, geometry, engine, faults)
+    config = ServeConfig(
+        model_name=loaded.name,
+        context_length=ctx,
+        vocab_size=loaded.config.vocab_size,
+        headroom=headroom,
+        allow_undersized_pool=allow_undersized_pool,
+        faults=faults,
+        lab_profile=lab_profile,
+        default_max_tokens=default_max_tokens,
+        scrub_policy=engine.scrub.value,
+        transport="in-process",
+        disaggregated=False,
+        prefix_cache=engine.prefix_cache,
+        shared_prefix_cache=engine.shared_prefix_namespace is not None,
+    )
+    return ServerParts(loaded=loaded, pipeline=pipeline, config=config)

@@ -1,0 +1,214 @@
+"""`kvfence serve`: the single-process OpenAI-compatible server.
+
+With no arguments: the tiny checkpoint (made on first use in the cache
+directory), the in-process pipeline, loopback, a free port, and two tenants
+with fresh keys; it prints the URL, a key and a ready-to-paste curl line.
+The capacity gate (I4) runs on the live pools before anything listens: a
+failing gate exits 1 with the gate's message on stderr.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from kvfence.engine.faults import FaultSet
+from kvfence.engine.pool import ScrubPolicy
+from kvfence.engine.sizing import DEFAULT_HEADROOM, CapacityGateError
+from kvfence.model.loader import MODEL_KINDS
+from kvfence.model.tiny import default_checkpoint_dir
+from kvfence.serve.app import create_app
+from kvfence.serve.build import PoolSizes, build_local
+from kvfence.serve.config import decide_capacity
+from kvfence.serve.tenants import TenantFileError, TenantRegistry
+from kvfence.serve.thread import bind, serve_forever, url_of
+
+EXIT_GATE = 1
+
+
+def parse_per_role(value: str | None, option: str) -> tuple[int | None, int | None]:
+    """`N` (both roles) or `prefill=N,decode=M` -> (prefill, decode)."""
+    if value is None:
+        return None, None
+    try:
+        if "=" not in value:
+            n = int(value)
+            return n, n
+        parts = dict(p.split("=", 1) for p in value.split(","))
+        if not set(parts) <= {"prefill", "decode"}:
+            raise ValueError
+        return (
+            int(parts["prefill"]) if "prefill" in parts else None,
+            int(parts["decode"]) if "decode" in parts else None,
+        )
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r}: give N (both roles) or prefill=N,decode=M", param_hint=option
+        ) from None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@click.command()
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="HF model directory [default: the tiny checkpoint, made on first use]",
+)
+@click.option("--model-kind", type=click.Choice(MODEL_KINDS), default="llama", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=0, help="0 = any free port")
+@click.option(
+    "--tenants",
+    "tenants_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help='JSON {"tenants": [{"name": ..., "keys": [...]}]} [default: two generated tenants]',
+)
+@click.option("--no-auth", is_flag=True, help="dev mode: one tenant, no keys (loopback only)")
+@click.option(
+    "--context-length", type=click.IntRange(1), default=None, help="[default: the model's]"
+)
+@click.option("--kv-pages", default=None, help="KV pages per role: N, or prefill=N,decode=M")
+@click.option(
+    "--kv-bytes", default=None, help="KV bytes per role: N, or prefill=N,decode=M [64 MiB each]"
+)
+@click.option("--page-size", type=click.IntRange(1), default=16, show_default=True)
+@click.option(
+    "--scrub",
+    type=click.Choice([p.value for p in ScrubPolicy]),
+    default=ScrubPolicy.NONE.value,
+    show_default=True,
+)
+@click.option("--no-prefix-cache", is_flag=True, help="turn the prefix cache off")
+@click.option(
+    "--shared-prefix-cache",
+    is_flag=True,
+    help="explicit opt-in: one prefix cache for all tenants (I8 off by choice)",
+)
+@click.option(
+    "--allow-undersized-pool",
+    is_flag=True,
+    help="start even if the gate fails; reject prompt + max_tokens > pool with HTTP 400",
+)
+@click.option("--headroom", type=float, default=DEFAULT_HEADROOM, show_default=True)
+@click.option(
+    "--lab-fault",
+    "lab_faults",
+    multiple=True,
+    help="incident lab: switch a defence off (repeatable; listed in /server_info)",
+)
+@click.option("--default-max-tokens", type=click.IntRange(1), default=16, show_default=True)
+@click.option("--log-level", default="warning", show_default=True)
+def serve(
+    model_dir: Path | None,
+    model_kind: str,
+    host: str,
+    port: int,
+    tenants_file: Path | None,
+    no_auth: bool,
+    context_length: int | None,
+    kv_pages: str | None,
+    kv_bytes: str | None,
+    page_size: int,
+    scrub: str,
+    no_prefix_cache: bool,
+    shared_prefix_cache: bool,
+    allow_undersized_pool: bool,
+    headroom: float,
+    lab_faults: tuple[str, ...],
+    default_max_tokens: int,
+    log_level: str,
+) -> None:
+    """Serve a model over the OpenAI API, with tenant isolation (exit 1: capacity gate failed)."""
+    try:
+        faults = FaultSet.parse(lab_faults)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--lab-fault") from None
+    tenants = _tenants(tenants_file, no_auth, host)
+    prefill_pages, decode_pages = parse_per_role(kv_pages, "--kv-pages")
+    prefill_bytes, decode_bytes = parse_per_role(kv_bytes, "--kv-bytes")
+    if model_dir is None:
+        click.echo("using the embedded tiny checkpoint (made on first use)...", err=True)
+        model_dir = default_checkpoint_dir()
+    try:
+        parts = build_local(
+            model_dir,
+            kind=model_kind,
+            context_length=context_length,
+            pools=PoolSizes(prefill_pages, decode_pages, prefill_bytes, decode_bytes),
+            page_size=page_size,
+            scrub=ScrubPolicy(scrub),
+            faults=faults,
+            prefix_cache=not no_prefix_cache,
+            shared_prefix_cache=shared_prefix_cache,
+            headroom=headroom,
+            allow_undersized_pool=allow_undersized_pool,
+            default_max_tokens=default_max_tokens,
+        )
+    except (OSError, ValueError) as e:
+        raise click.UsageError(str(e)) from None
+    try:
+        capacity = decide_capacity(parts.config, parts.pipeline.stats().pools)
+    except CapacityGateError as e:
+        click.echo(str(e), err=True)  # I4: the server does not start
+        sys.exit(EXIT_GATE)
+    app = create_app(
+        parts.pipeline, parts.loaded.tokenizer, parts.config, tenants, capacity=capacity
+    )
+    sock = bind(host, port)
+    url = url_of(sock)
+    _announce(url, tenants, parts.config.model_name, capacity.report.message())
+    parts.pipeline.start()
+    try:
+        serve_forever(app, sock, log_level=log_level)
+    finally:
+        parts.pipeline.stop()
+        sock.close()
+        click.echo("kvfence: stopped", err=True)
+
+
+def _tenants(path: Path | None, no_auth: bool, host: str) -> TenantRegistry:
+    if no_auth:
+        if path is not None:
+            raise click.UsageError("--no-auth and --tenants exclude each other")
+        if not _is_loopback(host):
+            raise click.UsageError("--no-auth is only allowed on a loopback host")
+        return TenantRegistry.dev()
+    if path is None:
+        return TenantRegistry.generate()
+    try:
+        return TenantRegistry.from_file(path)
+    except TenantFileError as e:
+        raise click.BadParameter(str(e), param_hint="--tenants") from None
+
+
+def _announce(url: str, tenants: TenantRegistry, model: str, gate: str) -> None:
+    click.echo(gate)
+    click.echo(f"kvfence serving {model} at {url}  (OpenAI base URL: {url}/v1)")
+    if tenants.auth == "none":
+        click.echo("auth: none (dev mode, single tenant 'default')")
+        key_header = ""
+    else:
+        for t in tenants.tenants:
+            click.echo(f"tenant {t.name}: key {t.keys[0]}")
+        key_header = f' -H "Authorization: Bearer {tenants.tenants[0].keys[0]}"'
+    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 8})
+    click.echo(
+        f"try: curl -s {url}/v1/completions -H 'Content-Type: application/json'"
+        f"{key_header} -d '{body}'"
+    )
+    sys.stdout.flush()

@@ -1,0 +1,83 @@
+"""Run an ASGI app under uvicorn on a socket bound up front (port 0 = any free port).
+
+Binding before uvicorn starts means the port is known and held from the start
+(no race between "find a free port" and "listen"). `ServerThread` runs the
+server in a background thread for tests and embedded use; `serve_forever`
+runs it in the foreground with uvicorn's own Ctrl-C handling.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from types import TracebackType
+
+import uvicorn
+from starlette.types import ASGIApp
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
+
+
+def _server(app: ASGIApp, log_level: str) -> uvicorn.Server:
+    config = uvicorn.Config(
+        app, log_level=log_level, access_log=False, lifespan="off", timeout_graceful_shutdown=5
+    )
+    return uvicorn.Server(config)
+
+
+def serve_forever(app: ASGIApp, sock: socket.socket, *, log_level: str = "warning") -> None:
+    """Serve until Ctrl-C / SIGTERM (uvicorn finishes in-flight responses, then returns)."""
+    _server(app, log_level).run(sockets=[sock])
+
+
+class ServerThread:
+    """`with ServerThread(app) as srv: httpx.get(srv.url + "/health")`."""
+
+    def __init__(
+        self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"
+    ) -> None:
+        self.sock = bind(host, port)
+        self.url = url_of(self.sock)
+        self.server = _server(app, log_level)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
