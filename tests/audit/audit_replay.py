@@ -74,6 +74,6 @@ def _handler(server: ReplayServer) -> type[BaseHTTPRequestHandler]:
 def serve(state: ReplayServer) -> tuple[ThreadingHTTPServer, threading.Thread]:
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
     state.url = f"http://127.0.0.1:{httpd.server_address[1]}"
-    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     t.start()
     return httpd, t

@@ -282,18 +282,23 @@ class AuditContext:
 
     def client(self, target: Target, tenant: Tenant = "a") -> ProbeClient:
         """The (cached, thread-safe) HTTP client for `tenant` on `target`."""
+        return self.client_for_url(target.url, tenant)
+
+    def client_for_url(self, url: str, tenant: Tenant = "a") -> ProbeClient:
+        """The same client by URL (engine detection runs before a `Target` exists)."""
         from kvfence.audit.client import ProbeClient
 
+        url = url.rstrip("/")
         with self._lock:
-            cached = self._clients.get((target.url, tenant))
+            cached = self._clients.get((url, tenant))
             if cached is None:
                 cached = ProbeClient(
-                    target.url,
+                    url,
                     api_key=self.key(tenant),
                     budget=self.budget,
                     timeout_s=self.request_timeout_s,
                 )
-                self._clients[(target.url, tenant)] = cached
+                self._clients[(url, tenant)] = cached
             return cached
 
     def close(self) -> None:

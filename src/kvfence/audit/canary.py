@@ -1,0 +1,239 @@
+"""Runbook signal 2: tenant A's unique sentinels must never reach tenant B.
+
+Tenant A sends prompts dense with a fresh random sentinel at several lengths
+(short, half the limit, and at the pool/limit boundary). Tenant B sends
+unrelated prompts — in-limit and over-long (limit + 1, pool + 1) — first
+strictly after each A request (sequential: A's pages are free and reusable),
+then concurrently with A (interleaved). Every byte B gets back — body, every
+stream chunk, every choice, error messages — is searched for each sentinel
+verbatim and for every run of >= 4 of its tokens. One hit fails the audit
+with the exact (A, B) request pair as evidence.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfence.audit.base import AuditContext, Check, CheckResult, Verdict
+from kvfence.audit.client import ProbeResponse
+from kvfence.audit.prompts import Prompt, PromptMaker, make_sentinel, random_words
+from kvfence.audit.targets.base import Target, TargetFacts
+
+MIN_FRAGMENT_TOKENS = 4
+B_MAX_TOKENS = 32  # long enough for B's output to walk past its own first page
+A_MAX_TOKENS = 8
+
+
+@dataclass(slots=True)
+class Planted:
+    sentinel: str
+    fragments: list[str]  # texts of every >= 4-token run of the sentinel
+    prompt_tokens: int
+    response: ProbeResponse | None = None
+
+
+@dataclass(slots=True)
+class Observed:
+    label: str
+    response: ProbeResponse
+    after: list[int] = field(default_factory=list)  # indices of A requests done before it
+
+
+def fragments_from_pieces(pieces: list[str], n: int = MIN_FRAGMENT_TOKENS) -> list[str]:
+    """Texts of every contiguous run of >= n tokens (given each token's text), longest first."""
+    out = {
+        "".join(pieces[i:j]).strip()
+        for i in range(len(pieces))
+        for j in range(i + n, len(pieces) + 1)
+    }
+    return sorted((f for f in out if len(f) >= n), key=len, reverse=True)
+
+
+def fragments_from_chars(sentinel: str, width: int = 8) -> list[str]:
+    """Without a tokenizer: every substring of `width`+ characters (about 4 tokens)."""
+    return sorted(
+        {sentinel[i:j] for i in range(len(sentinel)) for j in range(i + width, len(sentinel) + 1)},
+        key=len,
+        reverse=True,
+    )
+
+
+def find_leak(text: str, planted: Planted) -> str | None:
+    """The longest sentinel fragment present in `text` (verbatim sentinel first), or None."""
+    if planted.sentinel in text:
+        return planted.sentinel
+    for frag in planted.fragments:
+        if frag in text:
+            return frag
+    return None
+
+
+def excerpt(text: str, needle: str, width: int = 80) -> str:
+    i = text.find(needle)
+    return text[max(0, i - width) : i + len(needle) + width]
+
+
+class CanaryCheck(Check):
+    name = "canary"
+    description = (
+        "tenant A's sentinels never appear in tenant B's responses (verbatim or fragments)"
+    )
+
+    def run(self, ctx: AuditContext, target: Target) -> CheckResult:
+        a = ctx.client(target, "a")
+        b = ctx.client(target, "b")
+        facts = target.facts(a)
+        target.configure_client(b)
+        limit = facts.input_limit(ctx.context_override).as_int()
+        if limit is None:
+            return self.result(target, Verdict.INCONCLUSIVE, "input limit unknown")
+        tokenize = facts.tokenizer.value == "/tokenize"
+        maker_a = PromptMaker(a, ctx.rng, use_tokenize=tokenize)
+        maker_b = PromptMaker(b, ctx.rng, use_tokenize=tokenize)
+        a_lengths, b_lengths = plan_lengths(limit, facts)
+        planted: list[Planted] = []
+        a_prompts: list[Prompt] = []
+        for n in a_lengths:
+            sentinel = make_sentinel(ctx.rng)
+            p = maker_a.make(n, head=sentinel, repeat_head=True)
+            if p is None:
+                return self.result(target, Verdict.INCONCLUSIVE, "could not build A's prompts")
+            planted.append(Planted(sentinel, self._fragments(maker_a, sentinel), p.tokens))
+            a_prompts.append(p)
+        b_prompts = []
+        for n, _ in b_lengths:
+            p = maker_b.make(n, head=random_words(ctx.rng, 6))
+            if p is None:
+                return self.result(target, Verdict.INCONCLUSIVE, "could not build B's prompts")
+            b_prompts.append(p)
+        observed: list[Observed] = []
+        total = len(a_prompts) * (1 + len(b_prompts)) * 2
+        done = 0
+        # Sequential: each A request completes, then B probes the freed pages.
+        for i, (pa, pl) in enumerate(zip(a_prompts, planted, strict=True)):
+            pl.response = a.completion(pa.payload, max_tokens=A_MAX_TOKENS)
+            for (_, label), pb in zip(b_lengths, b_prompts, strict=True):
+                stream = label.startswith("over") and i % 2 == 1
+                r = b.completion(pb.payload, max_tokens=B_MAX_TOKENS, stream=stream)
+                observed.append(
+                    Observed(f"sequential after A#{i}: B {label}", r, list(range(i + 1)))
+                )
+                done += 1
+                ctx.progress("canary (sequential)", done / total)
+        # Interleaved: A and B at once.
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            futs_a = [
+                pool.submit(a.completion, pa.payload, max_tokens=A_MAX_TOKENS, stream=True)
+                for pa in a_prompts
+            ]
+            futs_b = [
+                (label, pool.submit(b.completion, pb.payload, max_tokens=B_MAX_TOKENS))
+                for (_, label), pb in zip(b_lengths, b_prompts, strict=True)
+                for _ in range(len(a_prompts))
+            ]
+            for label, fb in futs_b:
+                observed.append(
+                    Observed(f"interleaved: B {label}", fb.result(), list(range(len(a_prompts))))
+                )
+                done += 1
+                ctx.progress("canary (interleaved)", done / total)
+            a_interleaved = [f.result() for f in futs_a]
+        return self._verdict(target, planted, a_interleaved, observed)
+
+    @staticmethod
+    def _fragments(maker: PromptMaker, sentinel: str) -> list[str]:
+        if maker.use_tokenize:
+            ids = maker.content_ids(" " + sentinel)
+            if ids:
+                pieces = [maker.client.detokenize([t]) for t in ids]
+                if all(p is not None for p in pieces):
+                    return fragments_from_pieces([p for p in pieces if p is not None])
+        return fragments_from_chars(sentinel)
+
+    def _verdict(
+        self,
+        target: Target,
+        planted: list[Planted],
+        a_interleaved: list[ProbeResponse],
+        observed: list[Observed],
+    ) -> CheckResult:
+        hits: list[dict[str, Any]] = []
+        for ob in observed:
+            text = ob.response.searchable()
+            for idx, pl in enumerate(planted):
+                frag = find_leak(text, pl)
+                if frag is not None:
+                    hits.append(
+                        {
+                            "tenant_a_request": {
+                                "index": idx,
+                                "sentinel": pl.sentinel,
+                                "prompt_tokens": pl.prompt_tokens,
+                                "response": pl.response.brief() if pl.response else None,
+                            },
+                            "tenant_b_request": {"label": ob.label, **ob.response.brief()},
+                            "matched": frag,
+                            "matched_tokens_at_least": MIN_FRAGMENT_TOKENS,
+                            "context": excerpt(text, frag),
+                        }
+                    )
+        a_ok = sum(1 for p in planted if p.response is not None and p.response.ok)
+        a_ok += sum(1 for r in a_interleaved if r.ok)
+        b_answered = sum(1 for o in observed if o.response.answered)
+        evidence: dict[str, Any] = {
+            "sentinels": [p.sentinel for p in planted],
+            "a_prompt_tokens": [p.prompt_tokens for p in planted],
+            "a_requests_ok": a_ok,
+            "b_requests": len(observed),
+            "b_answered": b_answered,
+            "b_statuses": sorted({str(o.response.status) for o in observed}),
+            "fragments_per_sentinel": [len(p.fragments) for p in planted],
+            "hits": hits[:20],
+            "hit_count": len(hits),
+        }
+        if hits:
+            first = hits[0]
+            return self.result(
+                target,
+                Verdict.FAIL,
+                f"tenant A's sentinel {first['tenant_a_request']['sentinel']} reached tenant B "
+                f"({len(hits)} hits; first in '{first['tenant_b_request']['label']}', "
+                f"status {first['tenant_b_request']['status']}, matched {first['matched']!r})",
+                evidence,
+            )
+        if a_ok == 0:
+            return self.result(
+                target,
+                Verdict.INCONCLUSIVE,
+                "no tenant-A request succeeded: no sentinel was planted",
+                evidence,
+            )
+        if b_answered < len(observed):
+            return self.result(
+                target,
+                Verdict.INCONCLUSIVE,
+                f"{len(observed) - b_answered} tenant-B requests got no HTTP answer",
+                evidence,
+            )
+        return self.result(
+            target,
+            Verdict.PASS,
+            f"{len(planted)} sentinels, {a_ok} A requests, {len(observed)} B requests "
+            "(sequential and interleaved, incl. over-long): no sentinel or 4-token fragment in B",
+            evidence,
+        )
+
+
+def plan_lengths(limit: int, facts: TargetFacts) -> tuple[list[int], list[tuple[int, str]]]:
+    """(A's prompt lengths, B's (length, label)) for an input limit and pool."""
+    pool = facts.pool_tokens.as_int()
+    top = limit if pool is None else min(limit, pool - A_MAX_TOKENS)
+    top = max(top, 16)
+    a = sorted({min(64, top), max(16, top // 2), top})
+    b: list[tuple[int, str]] = [(min(48, limit), "short")]
+    if pool is not None and pool < limit:
+        b.append((pool + 1, "over-pool (pool + 1)"))
+    b.append((limit + 1, "over-limit (limit + 1)"))
+    return a, b

@@ -1,0 +1,91 @@
+"""Runbook signal 1: the live KV pool must hold the context with headroom (I4).
+
+`pool_tokens >= context × headroom`, with both numbers read from the running
+engine (or the context from `--context`). An unknown pool or context is
+INCONCLUSIVE — a gate that cannot read the pool must block, not pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvfence.audit.base import AuditContext, Check, CheckResult, Fact, Verdict
+from kvfence.audit.targets.base import Target
+
+
+def _context_fact(ctx: AuditContext, target: Target, facts_context: Fact) -> Fact:
+    if ctx.context_override is not None:
+        return Fact(ctx.context_override, "--context (operator override)")
+    return facts_context
+
+
+class CapacityCheck(Check):
+    name = "capacity"
+    description = "KV pool >= context length × headroom, read from the live process"
+
+    def run(self, ctx: AuditContext, target: Target) -> CheckResult:
+        client = ctx.client(target, "a")
+        facts = target.facts(client)
+        pool = facts.pool_tokens
+        context = _context_fact(ctx, target, facts.context_length)
+        evidence = {
+            "pool_tokens": pool.to_json(),
+            "context_length": context.to_json(),
+            "headroom": ctx.headroom,
+            "engine": target.engine,
+            "detected_by": target.detected_by,
+        }
+        pool_n, context_n = pool.as_int(), context.as_int()
+        if pool_n is None:
+            return self.result(
+                target,
+                Verdict.INCONCLUSIVE,
+                f"KV pool size unknown ({pool.source}: {pool.note or 'not readable'}); "
+                "failing closed — the gate cannot pass without it",
+                evidence,
+            )
+        if context_n is None:
+            return self.result(
+                target,
+                Verdict.INCONCLUSIVE,
+                f"context length unknown ({context.source}); pass --context N",
+                evidence,
+            )
+        required = math.ceil(context_n * ctx.headroom)
+        evidence["required_tokens"] = required
+        evidence["margin_tokens"] = pool_n - required
+        evidence["ratio"] = round(pool_n / context_n, 4) if context_n else None
+        if pool_n >= required:
+            return self.result(
+                target,
+                Verdict.PASS,
+                f"pool {pool_n:,} ≥ context {context_n:,} × {ctx.headroom} = {required:,} "
+                f"(margin {pool_n - required:,} tokens)",
+                evidence,
+            )
+        shortfall = required - pool_n
+        evidence["shortfall_tokens"] = shortfall
+        evidence["fixes"] = fixes(pool_n, context_n, ctx.headroom)
+        return self.result(
+            target,
+            Verdict.FAIL,
+            f"pool {pool_n:,} < context {context_n:,} × {ctx.headroom} = {required:,}: "
+            f"short by {shortfall:,} tokens ({pool_n / context_n:.2f}× context). "
+            "A prompt near the context cannot fit: the reject path is live traffic",
+            evidence,
+        )
+
+
+def fixes(pool: int, context: int, headroom: float) -> list[str]:
+    """What an operator can do, with the numbers filled in."""
+    max_context = int(pool / headroom)
+    factor = context * headroom / pool
+    return [
+        f"lower the advertised context to ≤ {max_context:,} tokens "
+        "(SGLang --context-length, vLLM --max-model-len, llama.cpp -c)",
+        f"grow the KV pool ×{factor:.2f} (more KV memory: SGLang --mem-fraction-static, "
+        "vLLM --gpu-memory-utilization / VLLM_CPU_KVCACHE_SPACE, fewer concurrent slots, "
+        "more tensor-parallel ranks, a smaller KV dtype)",
+        f"or reject prompt + max_tokens > {pool:,} with HTTP 400 at the edge, before any "
+        "allocation or transfer (keeps throughput, fails legitimate long requests)",
+    ]

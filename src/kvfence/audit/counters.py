@@ -1,0 +1,90 @@
+"""The engine's own isolation / transfer failure counters must not move during the audit.
+
+`snapshot` runs first in the runbook; `CountersCheck` runs last and compares.
+kvfence: isolation violations (I1), transfer mismatches (I3), transfer
+failures; SGLang PD: transfer and bootstrap failures when exported. An
+engine without such counters gets SKIPPED (nothing to compare), not PASS.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvfence.audit.base import AuditContext, Check, CheckResult, Fact, Verdict
+from kvfence.audit.targets.base import Target
+
+INFORMATIONAL = "(informational)"
+
+
+class CountersCheck(Check):
+    """Compare counters against the snapshot taken before the other checks ran."""
+
+    name = "counters"
+    description = "engine-reported isolation/transfer failure counters unchanged across the audit"
+
+    def __init__(self) -> None:
+        self._before: dict[str, dict[str, Fact]] = {}
+
+    def snapshot(self, ctx: AuditContext, target: Target) -> None:
+        """Read the counters now (call before the other checks)."""
+        self._before[target.url] = target.read_counters(ctx.client(target, "a"))
+
+    def run(self, ctx: AuditContext, target: Target) -> CheckResult:
+        before = self._before.get(target.url)
+        after = target.read_counters(ctx.client(target, "a"))
+        if before is None:
+            return self.result(
+                target, Verdict.INCONCLUSIVE, "no snapshot was taken before the audit"
+            )
+        watched = [k for k, f in before.items() if INFORMATIONAL not in f.note]
+        if not watched and not after:
+            return self.result(
+                target,
+                Verdict.SKIPPED,
+                f"{target.engine} exports no isolation or transfer failure counters",
+            )
+        rows: list[dict[str, Any]] = []
+        moved, unreadable = [], []
+        for name in sorted(
+            set(watched) | {k for k, f in after.items() if INFORMATIONAL not in f.note}
+        ):
+            b, a = before.get(name), after.get(name)
+            seen = a or b
+            row = {
+                "counter": name,
+                "before": b.value if b else None,
+                "after": a.value if a else None,
+                "source": seen.source if seen else "",
+            }
+            rows.append(row)
+            if b is None or a is None or not b.known or not a.known:
+                unreadable.append(name)
+            elif a.value != b.value:
+                moved.append(f"{name} {b.value} → {a.value}")
+        informational = {
+            k: {"before": before[k].value if k in before else None, "after": f.value}
+            for k, f in after.items()
+            if INFORMATIONAL in f.note
+        }
+        evidence: dict[str, Any] = {"counters": rows, "informational": informational}
+        if moved:
+            return self.result(
+                target,
+                Verdict.FAIL,
+                "failure counters moved during the audit: " + "; ".join(moved),
+                evidence,
+            )
+        if unreadable:
+            return self.result(
+                target,
+                Verdict.INCONCLUSIVE,
+                "counters not readable before and after: " + ", ".join(unreadable),
+                evidence,
+            )
+        return self.result(
+            target,
+            Verdict.PASS,
+            f"{len(rows)} failure counters unchanged: "
+            + ", ".join(f"{r['counter']}={r['after']}" for r in rows),
+            evidence,
+        )

@@ -1,0 +1,238 @@
+"""The runbook: every check, in order, on every target, bounded and with progress.
+
+Order: counters snapshot → capacity → boundary → canary → noninterference →
+latency → prefix_sharing → counters (compare). Checks that are not part of
+this build are reported SKIPPED with a reason; a target whose engine cannot
+be identified gets INCONCLUSIVE for every check (fail closed).
+
+`audit_server(url, key_a, key_b)` is the hook for `kvfence audit` without
+`--target`: whoever starts the embedded server passes its URL and keys.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from kvfence.audit.base import (
+    AuditContext,
+    Budget,
+    Check,
+    CheckResult,
+    JSONValue,
+    Verdict,
+    run_check,
+    worst,
+)
+from kvfence.audit.counters import CountersCheck
+from kvfence.audit.targets.base import Target
+from kvfence.audit.targets.registry import DetectionError, make_target
+
+# name -> module under kvfence.audit holding a Check subclass with that `name`
+CHECK_MODULES: tuple[tuple[str, str], ...] = (
+    ("capacity", "capacity"),
+    ("boundary", "boundary"),
+    ("canary", "canary"),
+    ("noninterference", "noninterference"),
+    ("latency", "latency"),
+    ("prefix_sharing", "prefix_sharing"),
+    ("counters", "counters"),
+)
+ALL_CHECKS: tuple[str, ...] = tuple(name for name, _ in CHECK_MODULES)
+
+
+def load_check(name: str) -> Check | None:
+    """Instantiate the check called `name`, or None when its module is not in this build."""
+    module_name = dict(CHECK_MODULES).get(name)
+    if module_name is None:
+        raise ValueError(f"unknown check {name!r}; choose from {', '.join(ALL_CHECKS)}")
+    try:
+        module = importlib.import_module(f"kvfence.audit.{module_name}")
+    except ModuleNotFoundError:
+        return None
+    for obj in vars(module).values():
+        if (
+            isinstance(obj, type)
+            and issubclass(obj, Check)
+            and obj is not Check
+            and getattr(obj, "name", None) == name
+            and not getattr(obj, "__abstractmethods__", None)
+        ):
+            return obj()
+    return None
+
+
+@dataclass(slots=True)
+class TargetSummary:
+    url: str
+    engine: str | None
+    detected_by: str | None
+    facts: dict[str, JSONValue] | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, JSONValue]:
+        return {
+            "url": self.url,
+            "engine": self.engine,
+            "detected_by": self.detected_by,
+            "facts": self.facts,
+            "error": self.error,
+        }
+
+
+@dataclass(slots=True)
+class AuditRun:
+    """Everything a report needs."""
+
+    targets: list[TargetSummary]
+    results: list[CheckResult]
+    checks: tuple[str, ...]
+    started_at: str
+    duration_s: float
+    requests_sent: int
+    settings: dict[str, JSONValue] = field(default_factory=dict)
+
+    @property
+    def verdict(self) -> Verdict:
+        return worst([r.verdict for r in self.results])
+
+    def exit_code(self, fail_on_inconclusive: bool = True) -> int:
+        """0 all passed (or skipped), 1 any fail, 2 inconclusive (when it blocks)."""
+        v = self.verdict
+        if v is Verdict.FAIL:
+            return 1
+        if v is Verdict.INCONCLUSIVE:
+            return 2 if fail_on_inconclusive else 0
+        if not any(r.verdict is Verdict.PASS for r in self.results):
+            return 2 if fail_on_inconclusive else 0  # nothing was actually verified
+        return 0
+
+    def counts(self) -> dict[str, int]:
+        out = {v.value: 0 for v in Verdict}
+        for r in self.results:
+            out[r.verdict.value] += 1
+        return out
+
+
+def run_audit(
+    urls: Sequence[str],
+    ctx: AuditContext,
+    *,
+    engine: str = "auto",
+    checks: Sequence[str] = ALL_CHECKS,
+    on_result: Callable[[CheckResult], None] | None = None,
+) -> AuditRun:
+    """Run `checks` on every target in `urls`; every request bounded by `ctx.budget`."""
+    for name in checks:
+        if name not in ALL_CHECKS:
+            raise ValueError(f"unknown check {name!r}; choose from {', '.join(ALL_CHECKS)}")
+    ordered = tuple(n for n in ALL_CHECKS if n in checks)
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    t0 = time.monotonic()
+    summaries: list[TargetSummary] = []
+    results: list[CheckResult] = []
+
+    def emit(res: CheckResult) -> None:
+        results.append(res)
+        if on_result is not None:
+            on_result(res)
+
+    for url in urls:
+        summary, target = _resolve(url, engine, ctx)
+        summaries.append(summary)
+        if target is None:
+            for name in ordered:
+                emit(
+                    _result(name, url, Verdict.INCONCLUSIVE, f"target not audited: {summary.error}")
+                )
+            continue
+        _audit_target(target, ordered, ctx, summary, emit)
+    return AuditRun(
+        targets=summaries,
+        results=results,
+        checks=ordered,
+        started_at=started,
+        duration_s=time.monotonic() - t0,
+        requests_sent=ctx.budget.sent,
+        settings={
+            "engine": engine,
+            "headroom": ctx.headroom,
+            "context_override": ctx.context_override,
+            "seed": ctx.seed,
+            "max_requests": ctx.budget.max_requests,
+            "max_seconds": ctx.budget.max_seconds,
+        },
+    )
+
+
+def _resolve(url: str, engine: str, ctx: AuditContext) -> tuple[TargetSummary, Target | None]:
+    client = ctx.client_for_url(url, "a")
+    try:
+        target = make_target(url, engine, client)
+    except DetectionError as e:
+        return TargetSummary(url, None, None, error=str(e)), None
+    except Exception as e:  # budget, network: the target cannot be vouched for
+        return TargetSummary(url, None, None, error=f"{type(e).__name__}: {e}"), None
+    return TargetSummary(url, target.engine, target.detected_by), target
+
+
+def _audit_target(
+    target: Target,
+    ordered: tuple[str, ...],
+    ctx: AuditContext,
+    summary: TargetSummary,
+    emit: Callable[[CheckResult], None],
+) -> None:
+    try:
+        summary.facts = target.facts(ctx.client(target, "a")).to_json()
+        target.configure_client(ctx.client(target, "b"))
+    except Exception as e:  # fail closed; each check will report it again
+        summary.error = f"facts not readable: {type(e).__name__}: {e}"
+    counters = load_check("counters") if "counters" in ordered else None
+    if isinstance(counters, CountersCheck):
+        try:
+            counters.snapshot(ctx, target)
+        except Exception as e:
+            summary.error = f"counter snapshot failed: {type(e).__name__}: {e}"
+    for i, name in enumerate(ordered):
+        ctx.progress(f"{target.url}: {name}", i / len(ordered))
+        check = counters if name == "counters" else load_check(name)
+        if check is None:
+            emit(_result(name, target.url, Verdict.SKIPPED, "check not available in this build"))
+            continue
+        emit(run_check(check, ctx, target))
+    ctx.progress(f"{target.url}: done", 1.0)
+
+
+def _result(name: str, url: str, verdict: Verdict, summary: str) -> CheckResult:
+    return CheckResult(check=name, target=url, verdict=verdict, summary=summary)
+
+
+def audit_server(
+    url: str,
+    key_a: str | None,
+    key_b: str | None,
+    *,
+    engine: str = "kvfence",
+    checks: Sequence[str] = ALL_CHECKS,
+    headroom: float = 1.25,
+    seed: int = 0,
+    budget: Budget | None = None,
+    progress: Callable[[str, float | None], None] | None = None,
+) -> AuditRun:
+    """Audit one already-started server (the embedded default's hook for `kvfence audit`)."""
+    ctx = AuditContext(
+        key_a=key_a,
+        key_b=key_b,
+        headroom=headroom,
+        seed=seed,
+        budget=budget or Budget(),
+        quiet=progress is None,
+    )
+    if progress is not None:
+        ctx.progress = progress
+    with ctx.open():
+        return run_audit([url], ctx, engine=engine, checks=checks)
