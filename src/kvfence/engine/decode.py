@@ -352,8 +352,8 @@ class DecodeEngine:
         seq.last_token = token
         self.counters.generation_tokens += 1
         reason = stop_reason(token, seq.num_generated, seq.boot.sampling, self.eos)
-        if reason is None and seq.context + 1 > self.config.context_length:
-            reason = "length"  # the next token would pass the context window
+        if reason is None and seq.context + 1 >= self.config.context_length:
+            reason = "length"  # prompt + output reached the context window
         self._out.events.append(
             TokenChunk(
                 seq.req.rid,

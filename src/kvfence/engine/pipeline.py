@@ -218,6 +218,24 @@ class LocalPipeline:
         """Evict every unreferenced cached page (stop the pipeline or wait_idle first)."""
         return self.prefill.cache.clear()
 
+    def pump(self) -> bool:
+        """One engine iteration in the caller's thread (only while not started); True if it did anything.
+
+        For tests and step-by-step replays that need to stop the engine at an exact stage.
+        """
+        if self._thread is not None:
+            raise RuntimeError("pump() drives a pipeline that was not started")
+        with self._cond:
+            inbox, self._inbox = self._inbox, []
+        return self._iterate(inbox)
+
+    def drive(self, max_iterations: int = 100_000) -> int:
+        """`pump` until nothing is left to do; returns the iterations used."""
+        for i in range(max_iterations):
+            if not (self.pump() or self._has_work() or self._inbox):
+                return i + 1
+        raise RuntimeError(f"pipeline still busy after {max_iterations} iterations")
+
     # ---- the engine thread ------------------------------------------------------------------
 
     def _loop(self) -> None:
