@@ -7,6 +7,7 @@ import sys
 import click
 
 from kvfence import __version__
+from kvfence.audit.cli import audit
 from kvfence.engine.geometry import KVGeometry
 from kvfence.engine.sizing import (
     DEFAULT_HEADROOM,
@@ -102,3 +103,4 @@ def make_model(out_dir: str, preset: str, seed: int) -> None:
 
 
 main.add_command(serve)
+main.add_command(audit)

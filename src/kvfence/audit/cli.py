@@ -1,0 +1,216 @@
+"""`kvfence audit`: the runbook against live engines; the verdict is the exit code.
+
+Exit codes: 0 every check passed, 1 a check failed (a leak or a violated
+invariant was observed), 2 inconclusive (a fact could not be read or a probe
+could not run) — with `--fail-on-inconclusive` (the default). Usage errors
+are click's exit code 2 as well, printed with "Usage:".
+
+Without `--target` the embedded default is audited: `EMBEDDED_HOOK` names the
+function that starts kvfence's own server and hands its URL and keys to
+`runbook.audit_server`. Until `kvfence serve` provides it, a run without
+`--target` says so and exits 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvfence.audit import report
+from kvfence.audit.base import DEFAULT_HEADROOM, AuditContext, Budget, CheckResult
+from kvfence.audit.runbook import ALL_CHECKS, AuditRun, run_audit
+from kvfence.audit.targets.registry import ENGINE_CHOICES
+
+# "module:function" of the embedded-default runner: (checks, headroom, seed, emit) -> AuditRun
+EMBEDDED_HOOK = "kvfence.serve.embedded:audit_embedded"
+
+
+def _parse_checks(value: str | None) -> tuple[str, ...]:
+    if not value:
+        return ALL_CHECKS
+    names = tuple(n.strip().replace("-", "_") for n in value.split(",") if n.strip())
+    unknown = [n for n in names if n not in ALL_CHECKS]
+    if unknown:
+        raise click.UsageError(
+            f"unknown check(s) {', '.join(unknown)}; choose from {', '.join(ALL_CHECKS)}"
+        )
+    return names
+
+
+def _embedded_runner() -> Callable[..., AuditRun] | None:
+    module, _, func = EMBEDDED_HOOK.partition(":")
+    try:
+        runner = getattr(importlib.import_module(module), func, None)
+    except ModuleNotFoundError:
+        return None
+    return runner if callable(runner) else None
+
+
+@click.group(invoke_without_command=True)
+@click.option(
+    "--target", "targets", multiple=True, help="engine base URL (repeat for several nodes)"
+)
+@click.option("--engine", type=click.Choice(ENGINE_CHOICES), default="auto", show_default=True)
+@click.option("--key-a", envvar="KVFENCE_AUDIT_KEY_A", default=None, help="tenant A's API key")
+@click.option("--key-b", envvar="KVFENCE_AUDIT_KEY_B", default=None, help="tenant B's API key")
+@click.option("--checks", default=None, help=f"comma-separated subset of: {', '.join(ALL_CHECKS)}")
+@click.option("--context", "context", type=int, default=None, help="context length to gate on")
+@click.option("--headroom", type=float, default=DEFAULT_HEADROOM, show_default=True)
+@click.option("--report", "html_out", type=click.Path(dir_okay=False), default=None)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
+@click.option("--junit", "junit_out", type=click.Path(dir_okay=False), default=None)
+@click.option("--max-requests", type=int, default=5000, show_default=True)
+@click.option("--max-seconds", type=float, default=900.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--quiet", is_flag=True, help="no progress, only the summary line")
+@click.option(
+    "--fail-on-inconclusive/--no-fail-on-inconclusive",
+    default=True,
+    show_default=True,
+    help="exit 2 when a check is inconclusive (fail closed)",
+)
+@click.pass_context
+def audit(
+    ctx: click.Context,
+    targets: tuple[str, ...],
+    engine: str,
+    key_a: str | None,
+    key_b: str | None,
+    checks: str | None,
+    context: int | None,
+    headroom: float,
+    html_out: str | None,
+    json_out: str | None,
+    junit_out: str | None,
+    max_requests: int,
+    max_seconds: float,
+    seed: int,
+    quiet: bool,
+    fail_on_inconclusive: bool,
+) -> None:
+    """Audit engines for cross-tenant leaks: exit 0 pass, 1 fail, 2 inconclusive."""
+    if ctx.invoked_subcommand is not None:
+        return
+    names = _parse_checks(checks)
+    if headroom < 1.0:
+        raise click.UsageError(f"--headroom must be >= 1, got {headroom}")
+    if context is not None and context <= 0:
+        raise click.UsageError(f"--context must be positive, got {context}")
+    console = Console(stderr=False, quiet=False)
+    if not targets:
+        runner = _embedded_runner()
+        if runner is None:
+            console.print(
+                "no --target given and the embedded default is not available in this build: "
+                "start `kvfence serve` and pass --target URL"
+            )
+            sys.exit(2)
+        run = runner(checks=names, headroom=headroom, seed=seed)
+    else:
+        run = _run_targets(
+            list(targets),
+            engine,
+            names,
+            key_a,
+            key_b,
+            context,
+            headroom,
+            Budget(max_requests=max_requests, max_seconds=max_seconds),
+            seed,
+            quiet,
+            console,
+        )
+    finish(run, console, html_out, json_out, junit_out, quiet, fail_on_inconclusive)
+
+
+def _run_targets(
+    targets: list[str],
+    engine: str,
+    names: tuple[str, ...],
+    key_a: str | None,
+    key_b: str | None,
+    context: int | None,
+    headroom: float,
+    budget: Budget,
+    seed: int,
+    quiet: bool,
+    console: Console,
+) -> AuditRun:
+    actx = AuditContext(
+        key_a=key_a,
+        key_b=key_b,
+        headroom=headroom,
+        context_override=context,
+        budget=budget,
+        seed=seed,
+        quiet=quiet,
+    )
+    with actx.open():
+        if quiet:
+            return run_audit(targets, actx, engine=engine, checks=names)
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        ) as progress:
+            overall = progress.add_task("audit", total=len(targets) * len(names))
+            step = progress.add_task("", total=1.0)
+
+            def on_progress(message: str, fraction: float | None) -> None:
+                progress.update(step, description=message, completed=fraction or 0.0)
+
+            def on_result(res: CheckResult) -> None:
+                progress.advance(overall)
+                progress.console.print(f"  {res.check} on {res.target}: {res.verdict.value}")
+
+            actx.progress = on_progress
+            return run_audit(targets, actx, engine=engine, checks=names, on_result=on_result)
+
+
+def finish(
+    run: AuditRun,
+    console: Console,
+    html_out: str | None,
+    json_out: str | None,
+    junit_out: str | None,
+    quiet: bool,
+    fail_on_inconclusive: bool,
+) -> None:
+    """Write the reports, print the summary, exit with the verdict."""
+    if json_out:
+        report.write_json(run, json_out, fail_on_inconclusive)
+    if junit_out:
+        report.write_junit(run, junit_out)
+    if html_out:
+        report.write_html(run, html_out, fail_on_inconclusive)
+    code = run.exit_code(fail_on_inconclusive)
+    if quiet:
+        click.echo(
+            f"kvfence audit: {run.verdict.value} ({run.counts()}; {run.requests_sent} requests) "
+            f"exit {code}"
+        )
+    else:
+        report.print_summary(run, console, fail_on_inconclusive)
+    for label, path in (("HTML report", html_out), ("JSON", json_out), ("JUnit", junit_out)):
+        if path:
+            click.echo(f"{label}: {path}")
+    sys.exit(code)
+
+
+def _add_latency() -> None:
+    """`kvfence audit latency --from-log FILE` (the statistical checks' log mode), when built."""
+    try:
+        from kvfence.audit.latency import latency_command
+    except ImportError:
+        return
+    audit.add_command(latency_command, name="latency")
+
+
+_add_latency()
