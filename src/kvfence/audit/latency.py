@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -64,8 +65,17 @@ from typing import Any, Literal
 import click
 import numpy as np
 
-from kvfence.audit.base import JSONValue, Plot, PlotSeries, Verdict
+from kvfence.audit.base import (
+    AuditContext,
+    Check,
+    CheckResult,
+    JSONValue,
+    Plot,
+    PlotSeries,
+    Verdict,
+)
 from kvfence.audit.stats import LinearFit, percentile, robust_line, robust_sigma
+from kvfence.audit.targets.base import Target
 
 TimingKind = Literal["prefill", "ttft", "e2e"]
 
@@ -123,6 +133,9 @@ class LatencyConfig:
     lengths: tuple[int, ...] | None = None
     min_samples: int = 8
     noise_floor_s: float = 1e-4
+    warmup: int = 1
+    max_error_fraction: float = 0.2
+    token_range: tuple[int, int] = (100, 500)
 
     def __post_init__(self) -> None:
         if self.tolerance_sigmas <= 0 or not 0 < self.skipped_fraction <= 1:
@@ -295,6 +308,71 @@ def _plot(samples: Sequence[LatencySample], fit: LinearFit, flagged: list[Latenc
         ],
         note="fit on all but the longest bucket (Theil–Sen); red points are faster than the fit allows",
     )
+
+
+# -- live probes ----------------------------------------------------------------
+
+
+class LatencyCheck(Check):
+    """Live sweep: TTFT of fresh random prompts up to the longest accepted prompt."""
+
+    name = "latency"
+    description = (
+        "no long prompt completes prefill faster than the engine's own prefill cost allows "
+        "(TTFT vs length fit; alarm on the long bucket's p5)"
+    )
+
+    def __init__(self, config: LatencyConfig | None = None) -> None:
+        self.config = config or LatencyConfig()
+
+    def run(self, ctx: AuditContext, target: Target) -> CheckResult:
+        cfg = self.config
+        client = ctx.client(target, "b")
+        facts = target.facts(client)
+        limit_fact = facts.input_limit(ctx.context_override)
+        limit = limit_fact.as_int()
+        if limit is None:
+            return self.result(
+                target,
+                Verdict.INCONCLUSIVE,
+                "longest accepted prompt unknown: cannot place the long bucket",
+                {"input_limit": limit_fact.to_json()},
+            )
+        lengths = cfg.sweep(limit)
+        rng = random.Random(ctx.rng.random())
+        lo, hi = cfg.token_range
+        plan = [n for n in lengths for _ in range(cfg.repeats)]
+        rng.shuffle(plan)  # interleave lengths so drift cannot masquerade as a slope
+        for _ in range(cfg.warmup):  # the first request pays one-off start-up costs
+            client.ttft([rng.randrange(lo, hi) for _ in range(min(lengths))])
+        samples: list[LatencySample] = []
+        errors: list[dict[str, JSONValue]] = []
+        mismatched: list[dict[str, JSONValue]] = []
+        for i, n in enumerate(plan):
+            r = client.ttft([rng.randrange(lo, hi) for _ in range(n)])
+            if r.ok and r.ttft_s is not None:
+                samples.append(LatencySample(n, r.ttft_s, "ttft", f"probe {i}: {n} tokens"))
+                if r.prompt_tokens is not None and r.prompt_tokens != n and len(mismatched) < 5:
+                    mismatched.append({"sent": n, "usage_prompt_tokens": r.prompt_tokens})
+            else:
+                errors.append({"prompt_tokens": n, **r.brief()})
+            ctx.progress("prefill latency sweep", (i + 1) / len(plan))
+        result = analyse(samples, cfg)
+        evidence = result.evidence
+        evidence["sweep"] = {
+            "lengths": lengths,
+            "repeats": cfg.repeats,
+            "limit": limit_fact.to_json(),
+        }
+        evidence["errors"] = errors[:5]
+        evidence["error_count"] = len(errors)
+        evidence["usage_mismatches"] = mismatched
+        verdict, summary = result.verdict, result.summary
+        if verdict is not Verdict.FAIL and len(errors) > cfg.max_error_fraction * len(plan):
+            verdict = Verdict.INCONCLUSIVE
+            summary = f"{len(errors)} of {len(plan)} timing probes failed; {summary}"
+        plots = [result.plot] if result.plot is not None else []
+        return self.result(target, verdict, summary, evidence, plots)
 
 
 # -- request logs -------------------------------------------------------------

@@ -1,0 +1,190 @@
+"""The statistical checks against a real `kvfence serve` process on loopback.
+
+Hardened server: prefix sharing, noninterference and prefill latency pass.
+`--lab-fault shared-prefix-cache`: prefix sharing fails — by cached_tokens
+at once, and by timing alone through the sequential KS test.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvfence.audit.base import AuditContext, Budget, CheckResult, Verdict, run_check
+from kvfence.audit.latency import LatencyCheck, LatencyConfig
+from kvfence.audit.noninterference import NoninterferenceCheck, NoninterferenceConfig
+from kvfence.audit.prefix_sharing import PrefixSharingCheck, PrefixSharingConfig
+from kvfence.audit.stats import SequentialDesign
+from kvfence.audit.targets.kvfence import KvfenceTarget
+
+pytestmark = pytest.mark.slow
+
+KEY_A = "audit-stats-key-a-5f1c2e"
+KEY_B = "audit-stats-key-b-9d7a41"
+URL_LINE = re.compile(r"kvfence serving \S+ at (http://\S+)")
+
+
+@dataclass(frozen=True)
+class Server:
+    url: str
+    faults: tuple[str, ...]
+
+
+def _start(tmp: Path, faults: tuple[str, ...]) -> Iterator[Server]:
+    tenants = tmp / "tenants.json"
+    tenants.write_text(
+        json.dumps(
+            {
+                "tenants": [
+                    {"name": "tenant-a", "keys": [KEY_A]},
+                    {"name": "tenant-b", "keys": [KEY_B]},
+                ]
+            }
+        ),
+        encoding="utf-8",
+    )
+    kvfence = Path(sys.executable).parent / "kvfence"  # the installed console script
+    cmd = [str(kvfence), "serve", "--tenants", str(tenants)]
+    for f in faults:
+        cmd += ["--lab-fault", f]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp
+    )
+    try:
+        url = None
+        deadline = time.monotonic() + 120
+        assert proc.stdout is not None
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            m = URL_LINE.search(line)
+            if m:
+                url = m.group(1)
+        assert url is not None, f"kvfence serve did not announce a URL (exit {proc.poll()})"
+        yield Server(url, faults)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def hardened(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from _start(tmp_path_factory.mktemp("hardened"), ())
+
+
+@pytest.fixture(scope="module")
+def leaky(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from _start(tmp_path_factory.mktemp("leaky"), ("shared-prefix-cache",))
+
+
+def _run(server: Server, check: object, seed: int = 0) -> CheckResult:
+    ctx = AuditContext(
+        key_a=KEY_A, key_b=KEY_B, seed=seed, budget=Budget(max_requests=2000, max_seconds=300)
+    )
+    with ctx.open():
+        target = KvfenceTarget(server.url)
+        return run_check(check, ctx, target)  # type: ignore[arg-type]
+
+
+SMALL_PREFIX = PrefixSharingConfig(
+    prefix_pages=16,
+    min_prefix_tokens=256,
+    design=SequentialDesign(alpha=1e-3, batch=8, max_per_arm=24),
+    salt_control_trials=4,
+)
+
+
+def test_prefix_sharing_passes_on_the_hardened_server(hardened: Server) -> None:
+    res = _run(hardened, PrefixSharingCheck(SMALL_PREFIX))
+    assert res.verdict is Verdict.PASS, res.summary
+    unsalted, salted = res.evidence["unsalted"], res.evidence["salted"]
+    # kvfence reports cached_tokens, and B never saw any of A's.
+    assert unsalted["cached_tokens_reported"] is True
+    assert unsalted["cross_tenant_cached_hits"] == 0
+    assert unsalted["trials"] == 24 and not unsalted["ks"]["rejected"]
+    # Salted: different salts miss AND the same salt hits (the control is not vacuous).
+    assert salted["verdict"] == "pass"
+    assert salted["same_salt_control"]["hit_by_cached_tokens"] is True
+    print(f"\nhardened prefix-sharing: pass after {res.evidence['requests']} requests")
+
+
+def test_prefix_sharing_fails_on_shared_prefix_cache_by_cached_tokens(leaky: Server) -> None:
+    cfg = PrefixSharingConfig(
+        prefix_pages=16,
+        min_prefix_tokens=256,
+        design=SequentialDesign(alpha=1e-3, batch=8, max_per_arm=24),
+        salt="off",
+    )
+    res = _run(leaky, PrefixSharingCheck(cfg))
+    assert res.verdict is Verdict.FAIL, res.summary
+    ev = res.evidence["unsalted"]
+    assert ev["cross_tenant_cached_hits"] >= 1
+    hit = ev["cross_tenant_hit_examples"][0]
+    assert hit["cached_tokens"] >= 256
+    # Stopped on the first batch: direct evidence needs no more requests.
+    assert res.evidence["requests"] <= 24
+    print(f"\nshared-prefix-cache (cached_tokens): fail after {res.evidence['requests']} requests")
+
+
+def test_prefix_sharing_fails_on_shared_prefix_cache_by_timing_alone(leaky: Server) -> None:
+    cfg = PrefixSharingConfig(
+        prefix_pages=64,
+        min_prefix_tokens=1024,
+        design=SequentialDesign(alpha=1e-3, batch=8, max_per_arm=48),
+        salt="off",
+        stop_on_cached_evidence=False,
+    )
+    res = _run(leaky, PrefixSharingCheck(cfg), seed=1)
+    assert res.verdict is Verdict.FAIL, res.summary
+    ks = res.evidence["unsalted"]["ks"]
+    assert ks["rejected"] and ks["p_value"] < ks["threshold_per_look"]
+    assert res.evidence["requests"] < 250 + 250
+    print(
+        f"\nshared-prefix-cache (timing only): fail, KS p = {ks['p_value']:.2e} after "
+        f"{res.evidence['requests']} requests"
+    )
+
+
+def test_salted_prefix_sharing_fails_when_the_lab_collapses_namespaces(leaky: Server) -> None:
+    cfg = PrefixSharingConfig(
+        prefix_pages=16,
+        min_prefix_tokens=256,
+        design=SequentialDesign(alpha=1e-3, batch=8, max_per_arm=24),
+        salt="only",
+    )
+    res = _run(leaky, PrefixSharingCheck(cfg), seed=2)
+    assert res.verdict is Verdict.FAIL, res.summary
+    assert "unsalted" not in res.evidence
+    assert res.evidence["salted"]["cross_tenant_cached_hits"] >= 1
+
+
+def test_noninterference_passes_on_the_hardened_server(hardened: Server) -> None:
+    res = _run(hardened, NoninterferenceCheck(NoninterferenceConfig(repeats=5)))
+    assert res.verdict is Verdict.PASS, res.summary
+    assert res.evidence["load"]["ok"] > 0
+    assert res.evidence["under_load"]["answers"] == 4 * 5
+    assert res.evidence["fisher_p_value"] >= 1e-3
+
+
+def test_prefill_latency_does_not_fail_on_the_hardened_server(hardened: Server) -> None:
+    cfg = LatencyConfig(repeats=4, points=5, min_tokens=16, max_tokens_cap=2048)
+    res = _run(hardened, LatencyCheck(cfg))
+    # Honest prefill is never "too fast"; on a busy 2-core machine the noise may
+    # hide the slope (inconclusive), but a fail would be a false alarm.
+    assert res.verdict in (Verdict.PASS, Verdict.INCONCLUSIVE), res.summary
+    assert res.verdict is not Verdict.FAIL
+    assert res.evidence["samples"] == 5 * 4
+    assert res.plots and res.plots[0].kind == "xy"
