@@ -14,7 +14,7 @@ from kvfence.model.base import CausalLM
 from kvfence.model.config import ModelConfig
 from kvfence.model.loader import load_model
 from kvfence.model.tiny import make_tiny_checkpoint
-from kvfence.serve.backend import GenerateWork
+from kvfence.engine.backend import GenerateWork
 
 PAGE = 16
 

@@ -41,7 +41,7 @@ from kvfence.engine.pool import KVPool
 from kvfence.engine.prefill import OutboundTransfer, PrefillEngine, PrefillOutput
 from kvfence.engine.reconcile import payload_checksum
 from kvfence.model.base import CausalLM
-from kvfence.serve.backend import BackendStats, GenerateWork, PoolInfo, Sink
+from kvfence.engine.backend import BackendStats, GenerateWork, PoolInfo, Sink
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class LocalPipeline:
         from kvfence.engine.messages import SamplingParams
         from kvfence.engine.pipeline import CollectingSink, LocalPipeline
         from kvfence.model.loader import load_model
-        from kvfence.serve.backend import GenerateWork
+        from kvfence.engine.backend import GenerateWork
 
         loaded = load_model(checkpoint_dir, kind="mirror")
         geometry = loaded.config.kv_geometry(page_size=16)

@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve import protocol
-from kvfence.serve.backend import Backend
+from kvfence.engine.backend import Backend
 from kvfence.serve.config import Capacity, ServeConfig, decide_capacity
 from kvfence.serve.info import server_info
 from kvfence.serve.metrics import RouterCounters, make_registry, render

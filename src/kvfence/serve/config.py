@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from kvfence.engine.faults import Fault, FaultSet
 from kvfence.engine.sizing import DEFAULT_HEADROOM, GateReport, capacity_gate
-from kvfence.serve.backend import PoolInfo
+from kvfence.engine.backend import PoolInfo
 
 
 @dataclass(frozen=True, slots=True)

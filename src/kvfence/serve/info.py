@@ -12,7 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvfence import __version__
-from kvfence.serve.backend import BackendStats
+from kvfence.engine.backend import BackendStats
 from kvfence.serve.config import Capacity, ServeConfig
 
 ENGINE_NAME = "kvfence"

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvfence.serve.backend import BackendStats
+from kvfence.engine.backend import BackendStats
 
 Outcome = Literal["finished", "rejected", "aborted", "failed"]
 OUTCOMES: tuple[Outcome, ...] = ("finished", "rejected", "aborted", "failed")
