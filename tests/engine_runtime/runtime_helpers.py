@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from kvfence.engine.backend import GenerateWork
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.faults import FaultSet
 from kvfence.engine.messages import SamplingParams
@@ -14,7 +15,6 @@ from kvfence.model.base import CausalLM
 from kvfence.model.config import ModelConfig
 from kvfence.model.loader import load_model
 from kvfence.model.tiny import make_tiny_checkpoint
-from kvfence.engine.backend import GenerateWork
 
 PAGE = 16
 

@@ -155,7 +155,9 @@ def test_abort_of_unknown_or_finished_room_is_harmless(models: Models) -> None:
 
 def test_duplicate_room_is_refused(models: Models) -> None:
     pipe = models.pipeline()
-    a, b = submit(pipe, [work("same", "t", [5, 6], greedy(4)), work("same", "u", [7, 8], greedy(4))])
+    a, b = submit(
+        pipe, [work("same", "t", [5, 6], greedy(4)), work("same", "u", [7, 8], greedy(4))]
+    )
     pipe.drive()
     assert b.wait(0).error is not None and b.wait(0).error.status == 409  # type: ignore[union-attr]
     assert a.wait(0).token_ids == [5, 6, 5, 6]  # the mirror echoes its own echo after the prompt
@@ -210,4 +212,4 @@ def test_sink_sees_exactly_one_end(models: Models) -> None:
     pipe.drive()
     assert len(sink.events) == 1 and sink.wait(0).error is not None
     assert_quiet_and_empty(pipe)
-    assert PAGE == pipe.prefill_pool.page_size
+    assert pipe.prefill_pool.page_size == PAGE

@@ -18,6 +18,7 @@ until the transport confirms (I7).
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -43,7 +44,7 @@ from kvfence.engine.reconcile import (
     payload_checksum as measure_checksum,
 )
 from kvfence.engine.request import Request, RequestError, RequestState
-from kvfence.engine.runner import ModelRunner
+from kvfence.engine.runner import ModelRunner, release_current
 from kvfence.engine.sampling import Sampler, SampleRow, TokenLogprobs, stop_reason
 from kvfence.model.base import CausalLM
 from kvfence.model.batching import RowSpec
@@ -51,6 +52,9 @@ from kvfence.model.batching import RowSpec
 
 def _info(error: RequestError) -> ErrorInfo:
     return ErrorInfo(error.status, error.type, error.message, error.param, error.code)
+
+
+log = logging.getLogger(__name__)
 
 
 class InboundWindow(Protocol):
@@ -378,7 +382,9 @@ class DecodeEngine:
         """Invalidate the request's pages (I5); parked while a transfer may land (I7)."""
         if seq in self.running:
             self.running.remove(seq)
-        self.pool.release(seq.pages)
+        stale = release_current(self.pool, seq.pages)
+        if stale:
+            log.error("room %s held %d stale page handle(s); not released", seq.req.rid, len(stale))
         seq.pages = []
         self.pool.forget_owner(seq.owner)
         del self.seqs[seq.req.rid]

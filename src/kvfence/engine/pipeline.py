@@ -23,6 +23,7 @@ from typing import Protocol
 
 import torch
 
+from kvfence.engine.backend import BackendStats, GenerateWork, PoolInfo, Sink
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.decode import DecodeEngine
 from kvfence.engine.faults import Fault, FaultSet
@@ -41,7 +42,6 @@ from kvfence.engine.pool import KVPool
 from kvfence.engine.prefill import OutboundTransfer, PrefillEngine, PrefillOutput
 from kvfence.engine.reconcile import payload_checksum
 from kvfence.model.base import CausalLM
-from kvfence.engine.backend import BackendStats, GenerateWork, PoolInfo, Sink
 
 log = logging.getLogger(__name__)
 

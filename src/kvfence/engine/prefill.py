@@ -33,7 +33,7 @@ from kvfence.engine.messages import (
 from kvfence.engine.pool import IsolationViolation, KVPool, PageHandle
 from kvfence.engine.prefix_cache import PrefixCache, PrefixHit
 from kvfence.engine.request import Request, RequestError, RequestState
-from kvfence.engine.runner import ModelRunner
+from kvfence.engine.runner import ModelRunner, release_current
 from kvfence.engine.sampling import Sampler, SampleRow, TokenLogprobs
 from kvfence.model.base import CausalLM
 from kvfence.model.batching import RowSpec
@@ -384,7 +384,7 @@ class PrefillEngine:
         self._out.to_decode.append(TransferDone(seq.req.rid, ok=False))
 
     def _release(self, seq: _Seq) -> None:
-        self.pool.release(seq.own_pages)
+        release_current(self.pool, seq.own_pages)
         self.cache.release(seq.cache_keys)
         seq.own_pages, seq.cache_keys, seq.pages = [], [], []
         self.pool.forget_owner(seq.owner)

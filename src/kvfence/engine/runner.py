@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvfence.engine.pool import BatchPages, IsolationViolation, KVPool
+from kvfence.engine.pool import BatchPages, IsolationViolation, KVPool, PageHandle, PageState
 from kvfence.model.base import CausalLM
 from kvfence.model.batching import RowSpec, build_forward_batch
 
@@ -41,3 +41,23 @@ class ModelRunner:
             except IsolationViolation:
                 bad.append(i)
         return bad
+
+
+def release_current(pool: KVPool, handles: Sequence[PageHandle]) -> list[PageHandle]:
+    """Release the handles the ledger still grants to their holder; return the stale rest.
+
+    After an isolation violation some handles may no longer be the holder's
+    (e.g. a page reused under it): those are not ours to release (I5).
+    """
+    if not handles:
+        return []
+    idx = torch.tensor([h.index for h in handles], dtype=torch.int64)
+    gens = torch.tensor([h.generation for h in handles], dtype=torch.int64)
+    owners = torch.tensor([h.owner for h in handles], dtype=torch.int64)
+    ok = (
+        (pool.state[idx] == PageState.USED)
+        & (pool.generation[idx] == gens)
+        & (pool.owner[idx] == owners)
+    ).tolist()
+    pool.release([h for h, good in zip(handles, ok, strict=True) if good])
+    return [h for h, good in zip(handles, ok, strict=True) if not good]
