@@ -48,6 +48,12 @@ def is_mirror(facts: TargetFacts) -> bool:
     return isinstance(facts.model.value, str) and "mirror" in facts.model.value.lower()
 
 
+def echoes(r: ProbeResponse, prompt: Prompt) -> bool:
+    """The answer replays the prompt's own beginning (kvfence's mirror model does exactly this)."""
+    out = r.text.strip()
+    return len(out) >= 4 and bool(prompt.text) and prompt.text.lstrip().startswith(out)
+
+
 def has_content(r: ProbeResponse) -> bool:
     return bool(r.text.strip()) or (r.completion_tokens or 0) > 0
 
@@ -121,10 +127,13 @@ class BoundaryCheck(Check):
         for i, rung in enumerate(rungs):
             ctx.progress(f"boundary {rung.name} ({rung.tokens} tokens)", i / len(rungs))
             verdict, row = self._probe(client, maker, rung, mirror)
+            if rung.name == "control" and row.pop("echo", False):
+                # Learned from the server's behaviour, not its name: later rungs must echo too.
+                mirror = True
             verdicts.append(verdict)
             rows.append(row)
         evidence["rungs"] = rows
-        evidence["mirror_model"] = mirror
+        evidence["echo_model"] = mirror
         verdict = worst(verdicts)
         bad = [r for r in rows if r["verdict"] != Verdict.PASS.value]
         summary = (
@@ -172,6 +181,8 @@ class BoundaryCheck(Check):
         else:
             verdict, detail = judge_reject(r)
         row.update(status=r.status, verdict=verdict.value, detail=detail, response=r.brief())
+        if r.ok and echoes(r, prompt):
+            row["echo"] = True
         return verdict, row
 
 

@@ -22,6 +22,7 @@ from kvfence.audit.prompts import Prompt, PromptMaker, make_sentinel, random_wor
 from kvfence.audit.targets.base import Target, TargetFacts
 
 MIN_FRAGMENT_TOKENS = 4
+SENTINEL_PREFIX = "KVF-"  # shared by every sentinel (see prompts.make_sentinel)
 B_MAX_TOKENS = 32  # long enough for B's output to walk past its own first page
 A_MAX_TOKENS = 8
 
@@ -41,6 +42,11 @@ class Observed:
     after: list[int] = field(default_factory=list)  # indices of A requests done before it
 
 
+def _unique(fragment: str) -> bool:
+    """A fragment must carry part of the random groups: the shared 'KVF-' prefix proves nothing."""
+    return len(fragment) >= MIN_FRAGMENT_TOKENS and fragment not in SENTINEL_PREFIX
+
+
 def fragments_from_pieces(pieces: list[str], n: int = MIN_FRAGMENT_TOKENS) -> list[str]:
     """Texts of every contiguous run of >= n tokens (given each token's text), longest first."""
     out = {
@@ -48,13 +54,18 @@ def fragments_from_pieces(pieces: list[str], n: int = MIN_FRAGMENT_TOKENS) -> li
         for i in range(len(pieces))
         for j in range(i + n, len(pieces) + 1)
     }
-    return sorted((f for f in out if len(f) >= n), key=len, reverse=True)
+    return sorted((f for f in out if _unique(f)), key=len, reverse=True)
 
 
 def fragments_from_chars(sentinel: str, width: int = 8) -> list[str]:
     """Without a tokenizer: every substring of `width`+ characters (about 4 tokens)."""
     return sorted(
-        {sentinel[i:j] for i in range(len(sentinel)) for j in range(i + width, len(sentinel) + 1)},
+        {
+            f
+            for i in range(len(sentinel))
+            for j in range(i + width, len(sentinel) + 1)
+            if _unique(f := sentinel[i:j])
+        },
         key=len,
         reverse=True,
     )
@@ -186,6 +197,8 @@ class CanaryCheck(Check):
             "sentinels": [p.sentinel for p in planted],
             "a_prompt_tokens": [p.prompt_tokens for p in planted],
             "a_requests_ok": a_ok,
+            "a_statuses": [p.response.status if p.response else None for p in planted]
+            + [r.status for r in a_interleaved],
             "b_requests": len(observed),
             "b_answered": b_answered,
             "b_statuses": sorted({str(o.response.status) for o in observed}),
@@ -229,7 +242,10 @@ class CanaryCheck(Check):
 def plan_lengths(limit: int, facts: TargetFacts) -> tuple[list[int], list[tuple[int, str]]]:
     """(A's prompt lengths, B's (length, label)) for an input limit and pool."""
     pool = facts.pool_tokens.as_int()
-    top = limit if pool is None else min(limit, pool - A_MAX_TOKENS)
+    # `limit` is the longest prompt with max_tokens=1; A asks for A_MAX_TOKENS.
+    top = limit + 1 - A_MAX_TOKENS
+    if pool is not None:
+        top = min(top, pool - A_MAX_TOKENS)
     top = max(top, 16)
     a = sorted({min(64, top), max(16, top // 2), top})
     b: list[tuple[int, str]] = [(min(48, limit), "short")]
