@@ -78,7 +78,9 @@ def prefill(decode: Decode, jobs: list[Job]) -> Iterator[Connection]:
             target=run_jobs, args=(sender, jobs, child), daemon=True
         )
     else:
-        worker = CTX.Process(target=sender_process, args=(decode.name, decode.rx.address, jobs, child))
+        worker = CTX.Process(
+            target=sender_process, args=(decode.name, decode.rx.address, jobs, child)
+        )
     worker.start()
     try:
         yield parent

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pytest
 import torch
 from decode_side import Decode, prefill
@@ -17,16 +20,16 @@ TRANSPORTS = [
 ]
 
 
-def job(res: Reservation, seed: int, **kw: object) -> Job:
-    fields: dict[object, object] = {
-        "room": res.room,
-        "tenant": res.tenant,
-        "num_tokens": res.num_tokens,
-        "dest": tuple((r.index, r.generation) for r in res.refs),
-        "seed": seed,
-        **kw,
-    }
-    return Job(**fields)  # type: ignore[arg-type]
+def job(res: Reservation, seed: int, **changes: Any) -> Job:
+    """The prefill job that serves this reservation honestly, unless `changes` say otherwise."""
+    honest = Job(
+        room=res.room,
+        tenant=res.tenant,
+        num_tokens=res.num_tokens,
+        dest=tuple((r.index, r.generation) for r in res.refs),
+        seed=seed,
+    )
+    return dataclasses.replace(honest, **changes)
 
 
 def assert_quiet_and_clean(decode: Decode) -> None:
@@ -101,7 +104,9 @@ def test_every_transfer_fault_is_refused_and_the_receiver_keeps_working(transpor
             with pytest.raises(TransferMismatch) as err:
                 decode.landed(room).accept(decode.reservations[room], decode.pool)
             assert err.value.field == field, f"{room}: {err.value}"
-            assert not decode.pool.written[[h.index for h in decode.reservations[room].handles]].any()
+            assert not decode.pool.written[
+                [h.index for h in decode.reservations[room].handles]
+            ].any()
         decode.landed(good.room).accept(good, decode.pool)
         assert landed_bytes_equal_source(decode, good, seed=42)
         assert_quiet_and_clean(decode)

@@ -20,8 +20,7 @@ import torch
 from kvfence.engine.geometry import KVGeometry
 from kvfence.engine.messages import PageRef, encode_message
 from kvfence.engine.pool import KVPool, PageHandle
-from kvfence.serve.transfer import ManifestFields, TransferRefused, get_transport
-from kvfence.serve.transfer import framing
+from kvfence.serve.transfer import ManifestFields, TransferRefused, framing, get_transport
 from kvfence.serve.transfer.base import InPlaceSender, KVSender, Outgoing, PoolShape
 
 GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
@@ -112,7 +111,9 @@ def dying_tcp_sender(address: str, job: Job, conn: Connection) -> None:
     pool, handles = source_pool(job.seed)
     dest = tuple(PageRef(i, g) for i, g in job.dest)
     sender_view = KVSenderShim(shape)
-    out = sender_view.prepare(job.room, pool, handles, job.num_tokens, dest, ManifestFields(job.tenant, 7))
+    out = sender_view.prepare(
+        job.room, pool, handles, job.num_tokens, dest, ManifestFields(job.tenant, 7)
+    )
     framing.send_frame(sock, framing.DATA, encode_message(out.manifest), out.payload_bytes)
     half = np.frombuffer(pool.k.view(torch.uint8).reshape(-1).numpy().data, np.uint8)
     sock.sendall(half[: out.payload_bytes // 2].tobytes())
