@@ -1,0 +1,98 @@
+"""Real `kvfence serve` processes on loopback for the audit's end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+KEY_A = "audit-tenant-a-0123456789"
+KEY_B = "audit-tenant-b-0123456789"
+INCIDENT_FAULTS = (
+    "undersized-pool",
+    "abort-not-terminal",
+    "decode-trusts-bootstrap",
+    "no-ledger-check",
+)
+# The lab's scale (kvfence.lab.profiles.Scale): context 512, prefill pool 21 x 16 = 336 tokens.
+CONTEXT = 512
+SMALL_PREFILL = "prefill=21,decode=64"
+LARGE = "prefill=64,decode=64"
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def start(tmp: Path, name: str, *, pages: str, faults: tuple[str, ...] = ()) -> Server:
+    tenants = tmp / "tenants.json"
+    tenants.write_text(
+        json.dumps(
+            {"tenants": [{"name": "alice", "keys": [KEY_A]}, {"name": "bob", "keys": [KEY_B]}]}
+        )
+    )
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-c",
+        "from kvfence.cli import main; main()",
+        "serve",
+        "--model-kind",
+        "mirror",
+        "--port",
+        str(port),
+        "--tenants",
+        str(tenants),
+        "--context-length",
+        str(CONTEXT),
+        "--kv-pages",
+        pages,
+    ]
+    for f in faults:
+        cmd += ["--lab-fault", f]
+    log = tmp / f"{name}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    return Server(f"http://127.0.0.1:{port}", proc, log)
+
+
+def wait_ready(server: Server, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"server exited: {server.log.read_text()[-2000:]}")
+        try:
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"server not ready: {server.log.read_text()[-2000:]}")
+
+
+def stop(server: Server) -> None:
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            server.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.kill(server.proc.pid, signal.SIGKILL)
+            server.proc.wait()
