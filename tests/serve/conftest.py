@@ -18,7 +18,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def mirror(checkpoint: Path) -> Iterator[Served]:
     """The mirror model (echoes what it attends to), four tenants, small pools."""
-    with serve(checkpoint, kind="mirror", pools=PoolSizes(prefill_pages=512, decode_pages=512)) as s:
+    with serve(
+        checkpoint, kind="mirror", pools=PoolSizes(prefill_pages=512, decode_pages=512)
+    ) as s:
         yield s
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,9 @@ class Served:
     url: str
     parts: ServerParts
     tenants: TenantRegistry
+    # One client for the helpers: a fresh httpx client per call costs ~0.2 s (TLS context).
+    http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=60))
+    _clients: dict[str, openai.OpenAI] = field(default_factory=dict)
 
     def key(self, tenant: str = "a") -> str:
         return next(t.keys[0] for t in self.tenants.tenants if t.name == tenant)
@@ -37,18 +40,23 @@ class Served:
         return {"Authorization": f"Bearer {self.key(tenant)}"}
 
     def client(self, tenant: str = "a") -> openai.OpenAI:
-        key = "unused" if self.tenants.auth == "none" else self.key(tenant)
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60)
+        """One `openai` client per tenant, reused (thread-safe, like httpx underneath)."""
+        if tenant not in self._clients:
+            key = "unused" if self.tenants.auth == "none" else self.key(tenant)
+            self._clients[tenant] = openai.OpenAI(
+                base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120
+            )
+        return self._clients[tenant]
 
     @property
     def model(self) -> str:
         return self.parts.config.model_name
 
     def get(self, path: str, tenant: str = "a") -> httpx.Response:
-        return httpx.get(self.url + path, headers=self.headers(tenant), timeout=30)
+        return self.http.get(self.url + path, headers=self.headers(tenant))
 
     def post(self, path: str, tenant: str = "a", **kw: Any) -> httpx.Response:
-        return httpx.post(self.url + path, headers=self.headers(tenant), timeout=60, **kw)
+        return self.http.post(self.url + path, headers=self.headers(tenant), **kw)
 
     def info(self) -> dict[str, Any]:
         r = self.get("/server_info")
@@ -100,7 +108,7 @@ def serve(
     app = create_app(parts.pipeline, parts.loaded.tokenizer, parts.config, registry)
     parts.pipeline.start()
     try:
-        with ServerThread(app) as srv:
-            yield Served(srv.url, parts, registry)
+        with ServerThread(app) as srv, httpx.Client(timeout=60) as http:
+            yield Served(srv.url, parts, registry, http)
     finally:
         parts.pipeline.stop()
