@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 from serve_helpers import Served, serve
 
-from kvfence.serve.build import PoolSizes
 from kvfence.model.tiny import make_tiny_checkpoint
+from kvfence.serve.build import PoolSizes
 
 
 @pytest.fixture(scope="session")
