@@ -175,7 +175,8 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     return out
 
 
-def _fmt(v: float) -> str:
+def _fmt(value: float) -> str:
+    v = float(value)
     if v == 0:
         return "0"
     if abs(v) >= 1000 or v.is_integer():
