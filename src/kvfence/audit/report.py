@@ -314,28 +314,30 @@ def svg_hist(plot: Plot, bins: int = 24) -> str:
 
 
 def svg_ladder(plot: Plot) -> str:
+    """One row per rung: a bar as long as the prompt, green when answered right, red when not."""
     s = plot.series[0] if plot.series else PlotSeries("rungs")
-    n = len(s.x)
-    row_h = 34
-    height = PAD_T + n * row_h + 20
-    xs = [x for x in s.x] or [0.0]
-    f = _Frame(xs, [0.0, 1.0])
-    body = []
-    for i in range(n):
+    row_h, left, right = 30, 170, 190
+    height = PAD_T + len(s.x) * row_h + 10
+    longest = max((float(x) for x in s.x), default=1.0) or 1.0
+    body = [
+        f'<text x="8" y="18" class="lab">{html.escape(plot.x_label)} → {html.escape(plot.y_label)}</text>'
+    ]
+    for i, tokens in enumerate(s.x):
         y = PAD_T + i * row_h
         flagged = i < len(s.flags) and s.flags[i]
         colour = COLOURS["fail"] if flagged else COLOURS["pass"]
         status = int(s.y[i]) if i < len(s.y) else 0
         label = s.labels[i] if i < len(s.labels) else ""
-        bar = max(2.0, f.px(s.x[i]) - PAD_L)
+        bar = max(2.0, float(tokens) / longest * (W - left - right))
+        body.append(f'<text x="8" y="{y + 15}" class="tick">{html.escape(label)}</text>')
         body.append(
-            f'<rect x="{PAD_L + 100}" y="{y}" width="{bar * 0.6:.1f}" height="{row_h - 10}" '
-            f'fill="{colour}" fill-opacity="0.8" class="{"flagged" if flagged else "rung"}"/>'
+            f'<rect x="{left}" y="{y}" width="{bar:.1f}" height="{row_h - 8}" fill="{colour}" '
+            f'fill-opacity="0.8" class="{"flagged" if flagged else "rung"}">'
+            f"<title>{html.escape(label)}</title></rect>"
         )
-        body.append(f'<text x="8" y="{y + 16}" class="tick">{html.escape(label)}</text>')
         body.append(
-            f'<text x="{PAD_L + 106 + bar * 0.6:.1f}" y="{y + 16}" class="tick">'
-            f"{_fmt(s.x[i])} tokens → HTTP {status or 'none'}</text>"
+            f'<text x="{left + bar + 6:.1f}" y="{y + 15}" class="tick">'
+            f"{_fmt(tokens)} tok → HTTP {status or 'no answer'}</text>"
         )
     return _svg(plot, body, height)
 
