@@ -3,6 +3,9 @@
 Hardened server: prefix sharing, noninterference and prefill latency pass.
 `--lab-fault shared-prefix-cache`: prefix sharing fails — by cached_tokens
 at once, and by timing alone through the sequential KS test.
+The Workers AI fault combination: prompts past the pool are answered from a
+1-token placeholder, so the prefill-latency check fails on them, and the
+noninterference check refuses to vouch for the long probe.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class Server:
     faults: tuple[str, ...]
 
 
-def _start(tmp: Path, faults: tuple[str, ...]) -> Iterator[Server]:
+def _start(tmp: Path, faults: tuple[str, ...], extra: tuple[str, ...] = ()) -> Iterator[Server]:
     tenants = tmp / "tenants.json"
     tenants.write_text(
         json.dumps(
@@ -52,7 +55,7 @@ def _start(tmp: Path, faults: tuple[str, ...]) -> Iterator[Server]:
         encoding="utf-8",
     )
     kvfence = Path(sys.executable).parent / "kvfence"  # the installed console script
-    cmd = [str(kvfence), "serve", "--tenants", str(tenants)]
+    cmd = [str(kvfence), "serve", "--tenants", str(tenants), *extra]
     for f in faults:
         cmd += ["--lab-fault", f]
     proc = subprocess.Popen(
@@ -88,6 +91,29 @@ def hardened(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def leaky(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     yield from _start(tmp_path_factory.mktemp("leaky"), ("shared-prefix-cache",))
+
+
+# The Workers AI combination at a scale where prefill cost is measurable: context
+# 4,096 over a prefill pool of 2,688 tokens (the incident's 0.656 ratio).
+INCIDENT_FAULTS = (
+    "undersized-pool",
+    "abort-not-terminal",
+    "decode-trusts-bootstrap",
+    "no-ledger-check",
+)
+INCIDENT_ARGS = (
+    "--context-length",
+    "4096",
+    "--page-size",
+    "16",
+    "--kv-pages",
+    "prefill=168,decode=512",
+)
+
+
+@pytest.fixture(scope="module")
+def incident(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from _start(tmp_path_factory.mktemp("incident"), INCIDENT_FAULTS, INCIDENT_ARGS)
 
 
 def _run(server: Server, check: object, seed: int = 0) -> CheckResult:
@@ -188,3 +214,32 @@ def test_prefill_latency_does_not_fail_on_the_hardened_server(hardened: Server) 
     assert res.verdict is not Verdict.FAIL
     assert res.evidence["samples"] == 5 * 4
     assert res.plots and res.plots[0].kind == "xy"
+
+
+def test_prefill_latency_fails_on_the_incident_reject_path(incident: Server) -> None:
+    cfg = LatencyConfig(repeats=4, points=5, min_tokens=16)
+    res = _run(incident, LatencyCheck(cfg))
+    assert res.verdict is Verdict.FAIL, res.summary
+    ev = res.evidence
+    assert ev["sweep"]["lengths"][-1] == 4095  # the longest accepted prompt, past the pool
+    assert ev["long_bucket"]["p5_s"] < ev["alarm_threshold_s"]
+    assert ev["flagged_count"] >= 1
+    assert all(f["prompt_tokens"] > 2688 for f in ev["flagged"])
+    flags = res.plots[0].series[0].flags
+    assert any(flags)
+
+
+def test_noninterference_does_not_pass_on_the_incident(incident: Server) -> None:
+    res = _run(incident, NoninterferenceCheck(NoninterferenceConfig(repeats=8)))
+    assert res.verdict is not Verdict.PASS, res.summary
+    # The long probe sits one page past the 2,688-token pool, on the reject path,
+    # and it is what shows the problem: it changes under A's load (fail) or is
+    # unstable even alone (inconclusive); the short probes stay stable.
+    assert res.evidence["probe_tokens"][-1] == 2688 + 16
+    long_probe = len(res.evidence["probe_tokens"]) - 1
+    if res.verdict is Verdict.FAIL:
+        p_long = res.evidence["fisher_p_value_per_probe"][str(long_probe)]
+        assert p_long < res.evidence["alpha_per_test"]
+    else:
+        assert res.evidence["unstable_alone"] == [long_probe]
+    print(f"\nincident noninterference: {res.verdict.value}: {res.summary}")

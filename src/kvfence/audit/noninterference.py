@@ -7,7 +7,8 @@ same number of repeats while tenant A keeps the engine busy with concurrent
 requests. A repeat *diverges* when its generated tokens differ from the
 probe's first answer alone. The check fails when the divergence rate under
 load exceeds the baseline rate with significance (one-sided Fisher exact
-test, `stats.divergence_excess`): an engine that reads another tenant's KV
+test, `stats.divergence_excess`, pooled and per probe with a
+Bonferroni split of alpha): an engine that reads another tenant's KV
 (a stale page, a cross-tenant cache hit) changes B's output exactly when A's
 data is around.
 
@@ -28,7 +29,7 @@ from typing import Any
 from kvfence.audit.base import AuditContext, Check, CheckResult, JSONValue, Verdict
 from kvfence.audit.client import ProbeClient, ProbeResponse
 from kvfence.audit.stats import divergence_excess
-from kvfence.audit.targets.base import Target
+from kvfence.audit.targets.base import Target, TargetFacts
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,14 +38,19 @@ class NoninterferenceConfig:
 
     ``probes`` distinct B prompts of ``probe_tokens`` tokens, each answered
     ``repeats`` times alone and ``repeats`` times under load;
-    ``max_tokens`` generated per answer. A's load: ``load_concurrency``
+    ``max_tokens`` generated per answer. With ``long_probe`` the last probe is
+    long: just past the KV pool when the target's pool is smaller than its
+    input limit (where the Workers AI reject path fired), else at the input
+    limit; at most ``long_probe_cap`` tokens. A's load: ``load_concurrency``
     threads sending ``load_tokens``-token prompts (``load_max_tokens`` out).
     """
 
     probes: int = 4
     probe_tokens: int = 48
     max_tokens: int = 8
-    repeats: int = 6
+    repeats: int = 8
+    long_probe: bool = True
+    long_probe_cap: int = 2048
     logprobs: int = 1
     load_concurrency: int = 3
     load_tokens: int = 192
@@ -104,6 +110,7 @@ class Tally:
     max_logprob_delta: float = 0.0
     examples: list[dict[str, Any]] = field(default_factory=list)
     errors: list[dict[str, Any]] = field(default_factory=list)
+    per_probe: dict[int, list[int]] = field(default_factory=dict)  # probe -> [answers, diverged]
 
     def record(self, probe: int, ref: Answer, resp: ProbeResponse) -> None:
         if not resp.ok:
@@ -111,8 +118,11 @@ class Tally:
             return
         got = answer_of(resp)
         self.total += 1
+        counts = self.per_probe.setdefault(probe, [0, 0])
+        counts[0] += 1
         if not got.same_output(ref):
             self.diverged += 1
+            counts[1] += 1
             if len(self.examples) < 3:
                 self.examples.append(
                     {
@@ -135,6 +145,9 @@ class Tally:
             "diverged": self.diverged,
             "rate": self.diverged / self.total if self.total else None,
             "max_logprob_delta": self.max_logprob_delta,
+            "per_probe": {
+                str(k): {"answers": a, "diverged": d} for k, (a, d) in self.per_probe.items()
+            },
             "examples": self.examples,
             "errors": self.errors[:3],
             "error_count": len(self.errors),
@@ -170,6 +183,32 @@ class _Load:
         return {"sent": self.sent, "ok": self.ok, "failures": self.failures}
 
 
+def probe_lengths(
+    cfg: NoninterferenceConfig, facts: TargetFacts, context_override: int | None
+) -> tuple[list[int], str]:
+    """B's probe lengths: short ones, plus one long probe where it matters."""
+    lengths = [cfg.probe_tokens] * cfg.probes
+    if not cfg.long_probe:
+        return lengths, "short probes only"
+    limit = facts.input_limit(context_override).as_int()
+    if limit is None:
+        return lengths, "input limit unknown: short probes only"
+    top = limit - cfg.max_tokens
+    pool = facts.pool_tokens.as_int()
+    page = facts.page_size.as_int() or 1
+    if pool is not None and pool + page <= top:
+        # No cap here: a sound engine rejects this at the edge (cheap), and a
+        # broken one answers it from a placeholder (cheap too).
+        long, why = pool + page, f"one page past the KV pool ({pool} tokens)"
+    else:
+        long = min(top, cfg.long_probe_cap)
+        why = f"at the input limit ({limit} tokens), cap {cfg.long_probe_cap}"
+    if long <= cfg.probe_tokens:
+        return lengths, "input limit too small for a long probe"
+    lengths[-1] = long
+    return lengths, f"last probe {long} tokens: {why}"
+
+
 class NoninterferenceCheck(Check):
     name = "noninterference"
     description = (
@@ -184,23 +223,22 @@ class NoninterferenceCheck(Check):
         cfg = self.config
         client_a, client_b = ctx.client(target, "a"), ctx.client(target, "b")
         target.facts(client_a)
-        target.facts(client_b)
+        facts = target.facts(client_b)
+        lengths, how = probe_lengths(cfg, facts, ctx.context_override)
         rng = random.Random(ctx.rng.random())
         lo, hi = cfg.token_range
-        prompts = [
-            [rng.randrange(lo, hi) for _ in range(cfg.probe_tokens)] for _ in range(cfg.probes)
-        ]
+        all_prompts = [[rng.randrange(lo, hi) for _ in range(n)] for n in lengths]
         logprobs: int | None = cfg.logprobs
 
-        def ask(i: int) -> ProbeResponse:
+        def send(prompt: list[int]) -> ProbeResponse:
             return client_b.completion(
-                prompts[i], max_tokens=cfg.max_tokens, temperature=0.0, logprobs=logprobs
+                prompt, max_tokens=cfg.max_tokens, temperature=0.0, logprobs=logprobs
             )
 
-        first = ask(0)
+        first = send(all_prompts[0])
         if first.status == 400 and logprobs is not None:
             logprobs = None  # the target refuses logprobs: compare text and tokens only
-            first = ask(0)
+            first = send(all_prompts[0])
         if not first.ok:
             return self.result(
                 target,
@@ -208,28 +246,48 @@ class NoninterferenceCheck(Check):
                 f"B's probe failed alone (status {first.status}): nothing to compare",
                 {"probe": first.brief()},
             )
-        refs = [answer_of(first)] + [answer_of(ask(i)) for i in range(1, cfg.probes)]
+        # A probe the target refuses (e.g. the long one on an undersized pool that
+        # rejects at the edge, I4) has no reference answer: it is dropped, on record.
+        prompts: list[list[int]] = [all_prompts[0]]
+        refs = [answer_of(first)]
+        dropped: list[dict[str, JSONValue]] = []
+        for prompt in all_prompts[1:]:
+            ref = send(prompt)
+            if ref.ok:
+                prompts.append(prompt)
+                refs.append(answer_of(ref))
+            else:
+                dropped.append({"prompt_tokens": len(prompt), **ref.brief()})
+
+        def ask(i: int) -> ProbeResponse:
+            return send(prompts[i])
+
+        probes = len(prompts)
         ctx.progress("noninterference: baseline", 0.0)
         alone = Tally()
-        for r in range(cfg.repeats):
-            for i in range(cfg.probes):
+        for rep in range(cfg.repeats):
+            for i in range(probes):
                 alone.record(i, refs[i], ask(i))
-            ctx.progress("noninterference: baseline", (r + 1) / cfg.repeats)
+            ctx.progress("noninterference: baseline", (rep + 1) / cfg.repeats)
         load = _Load(client_a, cfg, rng)
         loaded = Tally()
         ctx.progress("noninterference: under load", 0.0)
         with ThreadPoolExecutor(max_workers=cfg.load_concurrency) as pool:
             futures = [pool.submit(load.worker, s) for s in load.seeds]
             try:
-                for r in range(cfg.repeats):
-                    for i in range(cfg.probes):
+                for rep in range(cfg.repeats):
+                    for i in range(probes):
                         loaded.record(i, refs[i], ask(i))
-                    ctx.progress("noninterference: under load", (r + 1) / cfg.repeats)
+                    ctx.progress("noninterference: under load", (rep + 1) / cfg.repeats)
             finally:
                 load.stop.set()
             for f in futures:
                 f.result()  # a crashed load worker is a crashed check (fail closed)
-        return self._verdict(target, cfg, alone, loaded, load, logprobs is not None)
+        result = self._verdict(target, cfg, alone, loaded, load, logprobs is not None)
+        result.evidence["probe_tokens"] = [len(p) for p in prompts]
+        result.evidence["probe_lengths_from"] = how
+        result.evidence["dropped_probes"] = dropped
+        return result
 
     def _verdict(
         self,
@@ -241,7 +299,6 @@ class NoninterferenceCheck(Check):
         with_logprobs: bool,
     ) -> CheckResult:
         evidence: dict[str, JSONValue] = {
-            "probes": cfg.probes,
             "repeats": cfg.repeats,
             "logprobs": with_logprobs,
             "baseline": alone.to_json(),
@@ -259,24 +316,58 @@ class NoninterferenceCheck(Check):
                 f"tenant A's load never succeeded ({load.sent} requests): no interference tested",
                 evidence,
             )
-        test = divergence_excess(alone.diverged, alone.total, loaded.diverged, loaded.total)
-        evidence["fisher_p_value"] = test.p_value
+        # One pooled test plus one per probe (interference may hit only the long
+        # probe); Bonferroni keeps the family's false-alarm rate at alpha.
+        probes = sorted(alone.per_probe.keys() & loaded.per_probe.keys())
+        per_test_alpha = cfg.alpha / (len(probes) + 1)
+        pooled = divergence_excess(alone.diverged, alone.total, loaded.diverged, loaded.total)
+        per_probe = {
+            i: divergence_excess(
+                alone.per_probe[i][1],
+                alone.per_probe[i][0],
+                loaded.per_probe[i][1],
+                loaded.per_probe[i][0],
+            )
+            for i in probes
+        }
+        evidence["fisher_p_value"] = pooled.p_value
+        evidence["fisher_p_value_per_probe"] = {str(i): t.p_value for i, t in per_probe.items()}
         evidence["alpha"] = cfg.alpha
+        evidence["alpha_per_test"] = per_test_alpha
         rates = (
             f"divergence alone {alone.diverged}/{alone.total}, under A's load "
             f"{loaded.diverged}/{loaded.total} ({load.ok} A requests)"
         )
-        if test.p_value < cfg.alpha:
+        hits = [(-1, pooled), *per_probe.items()]
+        worst_i, worst_t = min(hits, key=lambda it: it[1].p_value)
+        if worst_t.p_value < per_test_alpha:
+            where = "all probes" if worst_i < 0 else f"probe {worst_i}"
             return self.result(
                 target,
                 Verdict.FAIL,
-                f"B's output depends on A's traffic: {rates}; Fisher p = {test.p_value:.2e}",
+                f"B's output depends on A's traffic ({where}: {worst_t.load_diverged}/"
+                f"{worst_t.load_total} under load vs {worst_t.baseline_diverged}/"
+                f"{worst_t.baseline_total} alone, Fisher p = {worst_t.p_value:.2e} < "
+                f"{per_test_alpha:.1e}); {rates}",
+                evidence,
+            )
+        # A probe that changes on most repeats *alone* leaves no room to see
+        # interference: the test has no power on it, so it cannot vouch (fail closed).
+        unstable = [i for i, (a, d) in alone.per_probe.items() if a >= 2 and 2 * d >= a]
+        if unstable:
+            evidence["unstable_alone"] = unstable
+            return self.result(
+                target,
+                Verdict.INCONCLUSIVE,
+                f"probe(s) {unstable} are not deterministic even alone at temperature 0, so "
+                f"interference cannot be measured on them; {rates}",
                 evidence,
             )
         note = f"; max logprob delta {loaded.max_logprob_delta:.2e}" if with_logprobs else ""
         return self.result(
             target,
             Verdict.PASS,
-            f"no interference beyond baseline: {rates}; Fisher p = {test.p_value:.2f}{note}",
+            f"no interference beyond baseline: {rates}; smallest Fisher p = "
+            f"{worst_t.p_value:.2g}{note}",
             evidence,
         )
