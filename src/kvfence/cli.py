@@ -16,6 +16,7 @@ from kvfence.engine.sizing import (
     capacity_gate,
     pool_from_budget,
 )
+from kvfence.lab.cli import lab
 from kvfence.serve.cli import serve
 
 # The built-in tiny geometry (the checkpoint `kvfence make-model` writes).
@@ -90,9 +91,7 @@ def gate(
 
 @main.command("make-model")
 @click.argument("out_dir", type=click.Path(file_okay=False, writable=True))
-@click.option(
-    "--preset", type=click.Choice(["tiny", "smollm"]), default="tiny", show_default=True
-)
+@click.option("--preset", type=click.Choice(["tiny", "smollm"]), default="tiny", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 def make_model(out_dir: str, preset: str, seed: int) -> None:
     """Write a deterministic random-weight checkpoint in the Hugging Face layout."""
@@ -104,3 +103,4 @@ def make_model(out_dir: str, preset: str, seed: int) -> None:
 
 main.add_command(serve)
 main.add_command(audit)
+main.add_command(lab)

@@ -1,0 +1,58 @@
+"""The defence matrix: the incident scenario under every subset of the incident profile's defences.
+
+Each of the four incident switches removes one defence. Running the scenario
+with every combination of them turned back on proves defence in depth: the
+leak must occur ONLY when all four are off, and any single defence turns it
+into a clean error (HTTP 4xx/5xx with an error body, nothing of A's data).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvfence.engine.faults import FAULT_INFO, Fault, FaultSet
+from kvfence.lab.profiles import INCIDENT_FAULTS
+from kvfence.lab.scenario import Outcome, ScenarioResult, run_incident
+
+
+@dataclass(frozen=True, slots=True)
+class MatrixRow:
+    defences_on: frozenset[Fault]  # the incident switches turned OFF (their defence restored)
+    result: ScenarioResult
+
+    @property
+    def expected(self) -> Outcome:
+        return Outcome.LEAK if not self.defences_on else Outcome.CLEAN_ERROR
+
+    @property
+    def as_expected(self) -> bool:
+        return self.result.outcome is self.expected
+
+
+def run_matrix(
+    checkpoint: Path,
+    *,
+    seed: int = 0,
+    progress: Callable[[int, int, MatrixRow], None] | None = None,
+) -> list[MatrixRow]:
+    """All 2^4 combinations, from every defence off (the incident) to every defence on."""
+    combos = [
+        frozenset(c)
+        for r in range(len(INCIDENT_FAULTS) + 1)
+        for c in itertools.combinations(INCIDENT_FAULTS, r)
+    ]
+    rows: list[MatrixRow] = []
+    for i, defences in enumerate(combos):
+        faults = FaultSet(frozenset(INCIDENT_FAULTS) - defences)
+        row = MatrixRow(defences, run_incident(checkpoint, faults, seed=seed + i))
+        rows.append(row)
+        if progress is not None:
+            progress(i + 1, len(combos), row)
+    return rows
+
+
+def defence_name(fault: Fault) -> str:
+    return FAULT_INFO[fault].defence_removed.split(" ")[0]  # e.g. "I4"
