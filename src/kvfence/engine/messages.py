@@ -156,6 +156,35 @@ class TransferDone:
     version: int = PROTOCOL_VERSION
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """A worker's live facts, sent at start-up and then periodically to the router.
+
+    The router's capacity gate (I4) and /server_info read the pools from these,
+    i.e. from the running workers, never from a config file.
+    """
+
+    role: str  # "prefill" or "decode"
+    worker: str  # the worker's control inbox address (its identity)
+    kv_address: str  # decode: where KV senders connect; prefill: ""
+    pool_tokens: int
+    page_size: int
+    pages_used: int
+    pages_free: int
+    pages_pending: int
+    finished: int = 0
+    rejected: int = 0
+    aborted: int = 0
+    failed: int = 0
+    generation_tokens: int = 0
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    isolation_violations: int = 0
+    transfer_mismatches: int = 0
+    transfer_failures: int = 0
+    version: int = PROTOCOL_VERSION
+
+
 Message = (
     Bootstrap
     | BootstrapReady
@@ -165,6 +194,7 @@ Message = (
     | Failure
     | Abort
     | TransferDone
+    | WorkerStatus
 )
 MESSAGE_TYPES: dict[str, type] = {
     cls.__name__: cls
@@ -177,6 +207,7 @@ MESSAGE_TYPES: dict[str, type] = {
         Failure,
         Abort,
         TransferDone,
+        WorkerStatus,
     )
 }
 _NESTED: dict[str, type] = {
