@@ -17,6 +17,9 @@ import pytest
 from audit_servers import KEY_A, KEY_B, Server
 from click.testing import CliRunner
 
+from kvfence.audit.base import AuditContext, Budget, Fact, run_check
+from kvfence.audit.boundary import BoundaryCheck
+from kvfence.audit.targets.kvfence import KvfenceTarget
 from kvfence.cli import main
 
 pytestmark = pytest.mark.slow
@@ -153,3 +156,23 @@ def test_html_report_is_self_contained_with_the_boundary_ladder(
     assert 'class="flagged"' in page  # the failing rungs are drawn red
     for external in ("<script", "<link", "src=", "href=", "@import"):
         assert external not in page
+
+
+@pytest.mark.parametrize(("server", "want"), [("hardened", "pass"), ("incident", "fail")])
+def test_boundary_without_tokenize_calibrates_exact_text_prompts(
+    kvfence_servers: dict[str, Server], server: str, want: str
+) -> None:
+    """Engines without /tokenize: prompts calibrated from usage.prompt_tokens, still token-exact."""
+    target = KvfenceTarget(kvfence_servers[server].url)
+    ctx = AuditContext(key_a=KEY_A, key_b=KEY_B, budget=Budget(max_requests=200))
+    with ctx.open():
+        facts = target.facts(ctx.client(target, "b"))
+        facts.tokenizer = Fact("calibrated from usage.prompt_tokens", "test: /tokenize ignored")
+        res = run_check(BoundaryCheck(), ctx, target)
+    assert res.verdict.value == want, res.summary
+    rungs = res.evidence["rungs"]
+    assert all(r["exact"] for r in rungs)
+    accepted = [r for r in rungs if r["status"] == 200 and r["expect"] == "accept"]
+    assert accepted and all(
+        r["response"]["usage"]["prompt_tokens"] == r["tokens"] for r in accepted
+    )

@@ -54,6 +54,10 @@ WORDS = tuple(
 )
 
 
+# Candidate filler units for text prompts, tried in order (one token each in most BPEs).
+FILLER_UNITS = (" a", " the", " x", " 0", " river")
+
+
 def random_words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
@@ -128,18 +132,34 @@ class PromptMaker:
     # -- text calibrated from usage.prompt_tokens ----------------------------------
 
     def calibrate(self) -> tuple[int, int] | None:
-        """(tokens per filler word, constant offset) from two probes; None if not linear."""
-        if self._calibration is None:
+        """(tokens per filler word, constant offset) from probes; None if nothing is linear.
+
+        Tries a few filler units and keeps the first that costs exactly one
+        token per repetition (then lengths are exact), else the cheapest.
+        """
+        if self._calibration is not None:
+            return self._calibration
+        best: tuple[int, int, str] | None = None
+        for unit in FILLER_UNITS:
             counts = []
             for k in (8, 16):
-                r = self.client.completion(self._word.strip() + self._word * (k - 1), max_tokens=1)
+                r = self.client.completion(unit.strip() + unit * (k - 1), max_tokens=1)
                 if r.prompt_tokens is None:
-                    return None
+                    break
                 counts.append(r.prompt_tokens)
+            if len(counts) < 2:
+                continue
             per_word = (counts[1] - counts[0]) // 8
             if per_word < 1 or counts[1] - counts[0] != 8 * per_word:
-                return None
-            self._calibration = (per_word, counts[0] - 8 * per_word)
+                continue
+            if best is None or per_word < best[0]:
+                best = (per_word, counts[0] - 8 * per_word, unit)
+            if per_word == 1:
+                break
+        if best is None:
+            return None
+        self._calibration = (best[0], best[1])
+        self._word = best[2]
         return self._calibration
 
     def text(self, n: int, head: str = "", repeat_head: bool = False) -> Prompt | None:
