@@ -41,7 +41,12 @@ def _server(app: ASGIApp, log_level: str) -> uvicorn.Server:
 
 def serve_forever(app: ASGIApp, sock: socket.socket, *, log_level: str = "warning") -> None:
     """Serve until Ctrl-C / SIGTERM (uvicorn finishes in-flight responses, then returns)."""
-    _server(app, log_level).run(sockets=[sock])
+    try:
+        _server(app, log_level).run(sockets=[sock])
+    except KeyboardInterrupt:
+        # uvicorn re-raises the captured SIGINT after its graceful shutdown; that is the
+        # normal way to stop a foreground server, not an error.
+        return
 
 
 class ServerThread:
