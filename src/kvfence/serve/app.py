@@ -15,9 +15,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvfence.engine.backend import Backend
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve import protocol
-from kvfence.engine.backend import Backend
 from kvfence.serve.config import Capacity, ServeConfig, decide_capacity
 from kvfence.serve.info import server_info
 from kvfence.serve.metrics import RouterCounters, make_registry, render

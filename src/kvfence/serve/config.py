@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvfence.engine.backend import PoolInfo
 from kvfence.engine.faults import Fault, FaultSet
 from kvfence.engine.sizing import DEFAULT_HEADROOM, GateReport, capacity_gate
-from kvfence.engine.backend import PoolInfo
 
 
 @dataclass(frozen=True, slots=True)

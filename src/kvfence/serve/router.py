@@ -25,11 +25,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from kvfence.engine.backend import Backend, GenerateWork
 from kvfence.engine.faults import Fault
 from kvfence.engine.messages import ErrorInfo, Failure, MessageError, SamplingParams, TokenChunk
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve import protocol
-from kvfence.engine.backend import Backend, GenerateWork
 from kvfence.serve.config import Capacity, ServeConfig
 from kvfence.serve.metrics import RouterCounters
 from kvfence.serve.output import OutputAssembler, Piece
