@@ -1,0 +1,72 @@
+"""Shared settings for the peer fixtures and plain HTTP calls to a peer (real loopback requests)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+from bench.peers import PeerServer
+
+TIMEOUT = httpx.Timeout(120.0, connect=5.0)
+
+# Small pools so pressure and cross-checks stay cheap: 64 blocks x 128 tokens for vLLM,
+# 4,096 tokens in 2 explicit slots (2,048 each) for llama.cpp.
+VLLM_BLOCKS = 64
+VLLM_MAX_MODEL_LEN = 2048
+LLAMA_CTX = 4096
+LLAMA_SLOTS = 2
+
+
+def get_json(server: PeerServer, path: str) -> Any:
+    resp = httpx.get(server.url + path, timeout=TIMEOUT)
+    assert resp.status_code == 200, f"GET {path} -> {resp.status_code}: {resp.text[:300]}"
+    return resp.json()
+
+
+def get_text(server: PeerServer, path: str) -> str:
+    resp = httpx.get(server.url + path, timeout=TIMEOUT)
+    assert resp.status_code == 200, f"GET {path} -> {resp.status_code}: {resp.text[:300]}"
+    return resp.text
+
+
+def post(server: PeerServer, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    """(status, parsed JSON body) — error statuses are answers the tests inspect."""
+    resp = httpx.post(
+        server.url + path,
+        content=json.dumps(body),
+        timeout=TIMEOUT,
+        headers={"content-type": "application/json"},
+    )
+    try:
+        return resp.status_code, resp.json()
+    except json.JSONDecodeError:
+        return resp.status_code, resp.text
+
+
+def complete(server: PeerServer, prompt: str | list[int], **fields: Any) -> dict[str, Any]:
+    """A /v1/completions call that must succeed."""
+    status, body = post(
+        server, "/v1/completions", {"model": server.model, "prompt": prompt, **fields}
+    )
+    assert status == 200, f"completion -> {status}: {body}"
+    assert isinstance(body, dict)
+    return body
+
+
+def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) for every sample of metric `name` in Prometheus text format."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: list[tuple[dict[str, str], float]] = []
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                out.append((dict(sample.labels), float(sample.value)))
+    return out
+
+
+def token_ids(n: int, *, start: int = 3, vocab: int = 512) -> list[int]:
+    """n deterministic ordinary token ids (past the 3 specials) of the tiny vocabulary."""
+    span = vocab - start
+    return [start + (i * 37) % span for i in range(n)]

@@ -1,0 +1,54 @@
+"""Real llama-server on the tiny checkpoint (converted to GGUF by llama.cpp's own converter)."""
+
+from __future__ import annotations
+
+import pytest
+from bench.peers import PeerServer, llamacpp_n_ctx
+from peer_helpers import LLAMA_CTX, LLAMA_SLOTS, complete, get_json, get_text, post, token_ids
+
+pytestmark = [pytest.mark.slow, pytest.mark.peers]
+
+
+def test_props_report_per_slot_ctx_and_slots(llamacpp_peer: PeerServer) -> None:
+    props = get_json(llamacpp_peer, "/props")
+    per_slot = props["default_generation_settings"]["n_ctx"]
+    assert props["total_slots"] == LLAMA_SLOTS
+    # With -np N each slot owns n_ctx / N of the pool the log reports.
+    assert per_slot == LLAMA_CTX // LLAMA_SLOTS
+    assert llamacpp_n_ctx(llamacpp_peer.log_text()) == per_slot * props["total_slots"]
+
+
+def test_slots_and_models_agree_with_props(llamacpp_peer: PeerServer) -> None:
+    slots = get_json(llamacpp_peer, "/slots")
+    assert [s["n_ctx"] for s in slots] == [LLAMA_CTX // LLAMA_SLOTS] * LLAMA_SLOTS
+    meta = get_json(llamacpp_peer, "/v1/models")["data"][0]["meta"]
+    assert meta["n_ctx_train"] == 4096
+
+
+def test_overlong_prompt_is_400_exceed_context_size(llamacpp_peer: PeerServer) -> None:
+    per_slot = LLAMA_CTX // LLAMA_SLOTS
+    status, body = post(
+        llamacpp_peer,
+        "/v1/completions",
+        {"model": llamacpp_peer.model, "prompt": token_ids(per_slot + 10), "max_tokens": 1},
+    )
+    assert status == 400, body
+    error = body["error"]
+    assert error["type"] == "exceed_context_size_error"
+    assert error["n_ctx"] == per_slot
+    assert error["n_prompt_tokens"] >= per_slot + 10
+
+
+def test_temperature_zero_repeats_exactly(llamacpp_peer: PeerServer) -> None:
+    fields = {"max_tokens": 24, "temperature": 0.0, "cache_prompt": False}
+    first = complete(llamacpp_peer, "The tenant sends a request", **fields)
+    second = complete(llamacpp_peer, "The tenant sends a request", **fields)
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    assert first["usage"]["completion_tokens"] == second["usage"]["completion_tokens"] > 0
+
+
+def test_metrics_have_prompt_counters_but_no_capacity_gauge(llamacpp_peer: PeerServer) -> None:
+    complete(llamacpp_peer, "count me", max_tokens=1)
+    text = get_text(llamacpp_peer, "/metrics")
+    assert "llamacpp:prompt_tokens_total" in text
+    assert "kv_cache_size" not in text and "n_ctx" not in text
