@@ -189,6 +189,8 @@ def run_arms(
         for _ in range(min(cfg.design.batch, cfg.design.max_per_arm - trials)):
             probe.trial(arms, salt_a, salt_b)
             trials += 1
+            if cfg.stop_on_cached_evidence and arms.cross_hits:
+                return arms, None  # the engine itself reports the cross-tenant hit
         if progress is not None:
             progress(trials / cfg.design.max_per_arm)
         if len(arms.errors) > cfg.max_error_fraction * max(trials, cfg.design.batch):

@@ -1,0 +1,106 @@
+"""The pure decision rules of the prefix-sharing and noninterference checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvfence.audit.base import Fact, Verdict
+from kvfence.audit.noninterference import NoninterferenceConfig, probe_lengths
+from kvfence.audit.prefix_sharing import Arms, PrefixSharingConfig, judge, prefix_length
+from kvfence.audit.stats import SequentialDesign, run_sequential
+from kvfence.audit.targets.base import TargetFacts
+
+
+def _facts(limit: int | None, page: int | None, pool: int | None = None) -> TargetFacts:
+    f = TargetFacts(engine=Fact("test", "test"))
+    f.max_input = Fact(limit, "test") if limit is not None else Fact.unknown("test")
+    f.page_size = Fact(page, "test") if page is not None else Fact.unknown("test")
+    f.pool_tokens = Fact(pool, "test") if pool is not None else Fact.unknown("test")
+    return f
+
+
+def test_prefix_is_whole_pages_and_fits_the_limit() -> None:
+    cfg = PrefixSharingConfig(prefix_pages=8, min_prefix_tokens=512)
+    # vLLM CPU: 128-token blocks -> 8 blocks = 1,024 tokens.
+    assert prefix_length(cfg, _facts(2047, 128), None)[0] == 1024
+    # Small pages: the minimum length wins, rounded to whole pages.
+    assert prefix_length(cfg, _facts(4095, 16), None)[0] == 512
+    assert prefix_length(cfg, _facts(4095, 48), None)[0] == 528
+    # A short limit caps the prefix, still in whole pages, leaving room for the suffix.
+    n, _ = prefix_length(cfg, _facts(300, 16), None)
+    assert n == 288 and n + cfg.suffix_tokens <= 300
+    # Unknown page size: the default page; unknown limit: no prefix (inconclusive).
+    assert prefix_length(cfg, _facts(4095, None), None)[0] == 512
+    assert prefix_length(cfg, _facts(None, 16), None)[0] is None
+    assert prefix_length(cfg, _facts(None, 16), 1000)[0] == 512
+    assert prefix_length(cfg, _facts(10, 16), None)[0] is None
+
+
+def _arms(shared: list[float], fresh: list[float]) -> Arms:
+    return Arms(shared=shared, fresh=fresh, requests=3 * len(shared))
+
+
+def test_judge_fails_on_cached_tokens_even_without_timing() -> None:
+    arms = _arms([0.1], [0.1])
+    arms.cross_hits.append({"cached_tokens": 512, "fresh_max_cached_tokens": 0})
+    verdict, summary, _ = judge(arms, None, PrefixSharingConfig())
+    assert verdict is Verdict.FAIL and "512 cached tokens" in summary
+
+
+def test_judge_uses_the_sequential_ks_result() -> None:
+    design = SequentialDesign(alpha=1e-3, batch=8, max_per_arm=32)
+    rng = np.random.default_rng(0)
+    shared, fresh = [], []
+
+    def leaky(k: int) -> tuple[list[float], list[float]]:
+        x, y = list(rng.normal(0.01, 0.001, k)), list(rng.normal(0.03, 0.001, k))
+        shared.extend(x)
+        fresh.extend(y)
+        return x, y
+
+    seq = run_sequential(leaky, design)
+    verdict, summary, ev = judge(_arms(shared, fresh), seq, PrefixSharingConfig(design=design))
+    assert verdict is Verdict.FAIL and "by timing" in summary
+    assert ev["ks"]["rejected"] is True
+
+    shared2, fresh2 = [], []
+
+    def sound(k: int) -> tuple[list[float], list[float]]:
+        x, y = list(rng.normal(0.03, 0.001, k)), list(rng.normal(0.03, 0.001, k))
+        shared2.extend(x)
+        fresh2.extend(y)
+        return x, y
+
+    seq2 = run_sequential(sound, design)
+    verdict, summary, ev = judge(_arms(shared2, fresh2), seq2, PrefixSharingConfig(design=design))
+    assert verdict is Verdict.PASS and "would have been detected" in summary
+    assert 0 < ev["ks"]["detectable_ks_distance"] < 1
+
+
+def test_judge_is_inconclusive_when_trials_failed() -> None:
+    arms = _arms([], [])
+    arms.errors.append({"role": "B probe", "status": 400, "error": None})
+    verdict, _, _ = judge(arms, None, PrefixSharingConfig())
+    assert verdict is Verdict.INCONCLUSIVE
+
+
+def test_prefix_config_validation() -> None:
+    with pytest.raises(ValueError):
+        PrefixSharingConfig(salt="sometimes")
+    with pytest.raises(ValueError):
+        PrefixSharingConfig(token_range=(5, 5))
+
+
+def test_noninterference_long_probe_targets_the_pool_edge() -> None:
+    cfg = NoninterferenceConfig(probes=4, probe_tokens=48, max_tokens=8, long_probe_cap=2048)
+    # Pool smaller than the limit: one page past the pool, uncapped (the reject path).
+    lengths, why = probe_lengths(cfg, _facts(4095, 16, pool=2688), None)
+    assert lengths == [48, 48, 48, 2704] and "past the KV pool" in why
+    # Pool large enough: at the input limit, capped.
+    assert probe_lengths(cfg, _facts(4095, 16, pool=65536), None)[0][-1] == 2048
+    assert probe_lengths(cfg, _facts(1000, 16, pool=65536), None)[0][-1] == 992
+    # Unknown limit or no long probe wanted: short probes only.
+    assert probe_lengths(cfg, _facts(None, 16), None)[0] == [48] * 4
+    off = NoninterferenceConfig(long_probe=False)
+    assert probe_lengths(off, _facts(4095, 16), None)[0] == [off.probe_tokens] * off.probes
