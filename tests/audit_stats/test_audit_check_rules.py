@@ -104,3 +104,14 @@ def test_noninterference_long_probe_targets_the_pool_edge() -> None:
     assert probe_lengths(cfg, _facts(None, 16), None)[0] == [48] * 4
     off = NoninterferenceConfig(long_probe=False)
     assert probe_lengths(off, _facts(4095, 16), None)[0] == [off.probe_tokens] * off.probes
+
+
+def test_runbook_loads_the_statistical_checks_by_name() -> None:
+    from kvfence.audit.latency import LatencyCheck
+    from kvfence.audit.noninterference import NoninterferenceCheck
+    from kvfence.audit.prefix_sharing import PrefixSharingCheck
+    from kvfence.audit.runbook import load_check
+
+    assert isinstance(load_check("prefix_sharing"), PrefixSharingCheck)
+    assert isinstance(load_check("noninterference"), NoninterferenceCheck)
+    assert isinstance(load_check("latency"), LatencyCheck)

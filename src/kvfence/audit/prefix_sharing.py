@@ -68,11 +68,11 @@ class PrefixSharingConfig:
     """
 
     prefix_pages: int = 8
-    min_prefix_tokens: int = 512
+    min_prefix_tokens: int = 256
     default_page: int = 16
     suffix_tokens: int = 8
     design: SequentialDesign = field(
-        default_factory=lambda: SequentialDesign(alpha=1e-3, batch=8, max_per_arm=48)
+        default_factory=lambda: SequentialDesign(alpha=1e-3, batch=8, max_per_arm=24)
     )
     salt: str = "auto"
     salt_control_trials: int = 4
@@ -204,7 +204,7 @@ def run_arms(
 
 
 class PrefixSharingCheck(Check):
-    name = "prefix-sharing"
+    name = "prefix_sharing"
     description = (
         "tenant B cannot detect tenant A's cached prefix by timing (one-sided sequential KS) "
         "or by cached_tokens; cache_salt: same salt hits and different salt misses"
