@@ -1,0 +1,137 @@
+"""Pure pieces of the server: tenant keys (I10), stop strings and UTF-8 on the output path."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvfence.engine.messages import TokenChunk
+from kvfence.model.tokenizer import Tokenizer
+from kvfence.serve.output import OutputAssembler
+from kvfence.serve.protocol import ApiError, parse_completion
+from kvfence.serve.tenants import Tenant, TenantFileError, TenantRegistry
+
+KEY_A = "sk-aaaaaaaaaaaaaaaaaaaa"
+KEY_A2 = "sk-a2a2a2a2a2a2a2a2a2a2"
+KEY_B = "sk-bbbbbbbbbbbbbbbbbbbb"
+
+
+def registry() -> TenantRegistry:
+    return TenantRegistry((Tenant("a", (KEY_A, KEY_A2)), Tenant("b", (KEY_B,))))
+
+
+def test_authenticate_maps_each_key_to_its_tenant_only() -> None:
+    r = registry()
+    assert r.authenticate(f"Bearer {KEY_A}") == "a"
+    assert r.authenticate(f"bearer   {KEY_A2}  ") == "a"
+    assert r.authenticate(f"Bearer {KEY_B}") == "b"
+    for header in (None, "", "Bearer", f"Basic {KEY_A}", f"Bearer {KEY_A[:-1]}", f"Bearer {KEY_A}x",
+                   f"Bearer {KEY_A.upper()}", "Bearer sk-\udcff" + "a" * 20, f"{KEY_A}"):  # fmt: skip
+        assert r.authenticate(header) is None, header
+
+
+def test_dev_mode_is_one_default_tenant() -> None:
+    dev = TenantRegistry.dev()
+    assert dev.auth == "none" and dev.authenticate(None) == "default"
+    with pytest.raises(ValueError):
+        TenantRegistry((Tenant("a", ()),), auth="none")
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        ("not json", "cannot read"),
+        (json.dumps({"tenants": [{"name": "a"}]}), "tenants[0]"),
+        (json.dumps({"tenants": [], "extra": 1}), "expected"),
+        (json.dumps({"tenants": []}), "at least one tenant"),
+        (json.dumps({"tenants": [{"name": "a", "keys": ["short"]}]}), ">= 16"),
+        (json.dumps({"tenants": [{"name": "a b", "keys": [KEY_A]}]}), "must match"),
+        (json.dumps({"tenants": [{"name": "a", "keys": []}]}), "no keys"),
+        (
+            json.dumps(
+                {"tenants": [{"name": "a", "keys": [KEY_A]}, {"name": "a", "keys": [KEY_B]}]}
+            ),
+            "listed twice",
+        ),
+        (
+            json.dumps(
+                {"tenants": [{"name": "a", "keys": [KEY_A]}, {"name": "b", "keys": [KEY_A]}]}
+            ),
+            "also used",
+        ),
+    ],
+)
+def test_bad_tenants_files_are_refused(tmp_path: Path, content: str, fragment: str) -> None:
+    path = tmp_path / "tenants.json"
+    path.write_text(content)
+    with pytest.raises(TenantFileError) as e:
+        TenantRegistry.from_file(path)
+    assert fragment in str(e.value) and str(path) in str(e.value)
+
+
+def test_generated_tenants_round_trip_through_a_file(tmp_path: Path) -> None:
+    gen = TenantRegistry.generate(("x", "y"))
+    path = tmp_path / "t.json"
+    path.write_text(gen.to_json())
+    assert TenantRegistry.from_file(path) == gen
+    assert gen.tenants[0].keys != gen.tenants[1].keys
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted_others_refused() -> None:
+    ok = parse_completion(
+        {"prompt": "x", "n": 1, "echo": False, "presence_penalty": 0, "logit_bias": {}}
+    )
+    assert ok.prompt == "x"
+    for field, value in (("n", True), ("echo", 0), ("best_of", 2), ("frequency_penalty", 0.1)):
+        with pytest.raises(ApiError) as e:
+            parse_completion({"prompt": "x", field: value})
+        assert e.value.param == field and e.value.status == 400
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    from kvfence.model.tiny import make_tiny_checkpoint
+
+    return Tokenizer.from_dir(make_tiny_checkpoint(tmp_path_factory.mktemp("tok") / "t"))
+
+
+def feed(
+    tok: Tokenizer, text: str, stops: tuple[str, ...], per_chunk: int = 1
+) -> tuple[list[str], OutputAssembler]:
+    ids = tok.encode(text)
+    out = OutputAssembler(tok, stops, want_logprobs=False)
+    pieces = []
+    for i in range(0, len(ids), per_chunk):
+        last = i + per_chunk >= len(ids)
+        chunk = TokenChunk(
+            "r", tuple(ids[i : i + per_chunk]), finish_reason="length" if last else None
+        )
+        pieces.append(out.push(chunk).text)
+        if out.done:
+            break
+    return pieces, out
+
+
+def test_stop_string_spanning_tokens_is_never_partly_emitted(tokenizer: Tokenizer) -> None:
+    text = "one two ##END## three"
+    pieces, out = feed(tokenizer, text, ("##END##",))
+    assert "".join(pieces) == "one two " and out.finish_reason == "stop"
+    for i in range(len(pieces)):  # no prefix of the stop string ever left early
+        assert "#" not in "".join(pieces[: i + 1])
+
+
+def test_earliest_of_several_stops_wins_and_no_stop_means_full_text(tokenizer: Tokenizer) -> None:
+    pieces, out = feed(tokenizer, "abc XYZ def UVW", ("UVW", "XYZ"), per_chunk=3)
+    assert "".join(pieces) == "abc " and out.finish_reason == "stop"
+    pieces, out = feed(tokenizer, "nothing to stop here", ("zzz",))
+    assert "".join(pieces) == "nothing to stop here" and out.finish_reason == "length"
+
+
+def test_multibyte_characters_are_never_split(tokenizer: Tokenizer) -> None:
+    text = "snow ☃ and 猫 and 🙂!"
+    pieces, out = feed(tokenizer, text, ())
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert out.completion_tokens == len(tokenizer.encode(text))
