@@ -6,16 +6,19 @@ could not run) — with `--fail-on-inconclusive` (the default). Usage errors
 are click's exit code 2 as well, printed with "Usage:".
 
 Without `--target` the embedded default is audited: `EMBEDDED_HOOK` names the
-function that starts kvfence's own server and hands its URL and keys to
-`runbook.audit_server`. Until `kvfence serve` provides it, a run without
-`--target` says so and exits 2.
+function that starts kvfence's own servers (the incident lab and the hardened
+engine, as `kvfence serve` processes) and audits them side by side; the HTML
+report then goes to a temporary path that is printed unless `--report` says
+where. `runbook.audit_server(url, key_a, key_b)` audits any one started server.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import click
 from rich.console import Console
@@ -26,8 +29,9 @@ from kvfence.audit.base import DEFAULT_HEADROOM, AuditContext, Budget, CheckResu
 from kvfence.audit.runbook import ALL_CHECKS, AuditRun, run_audit
 from kvfence.audit.targets.registry import ENGINE_CHOICES
 
-# "module:function" of the embedded-default runner: (checks, headroom, seed, emit) -> AuditRun
-EMBEDDED_HOOK = "kvfence.serve.embedded:audit_embedded"
+# "module:function" of the embedded-default runner:
+#   (checks, headroom, seed, progress, budget, on_result) -> AuditRun
+EMBEDDED_HOOK = "kvfence.audit.embedded:audit_embedded"
 
 
 def _parse_checks(value: str | None) -> tuple[str, ...]:
@@ -101,8 +105,29 @@ def audit(
         raise click.UsageError(f"--headroom must be >= 1, got {headroom}")
     if context is not None and context <= 0:
         raise click.UsageError(f"--context must be positive, got {context}")
-    console = Console(stderr=False, quiet=False)
-    if not targets:
+    console = Console()
+    budget = Budget(max_requests=max_requests, max_seconds=max_seconds)
+    if targets:
+        actx = AuditContext(
+            key_a=key_a,
+            key_b=key_b,
+            headroom=headroom,
+            context_override=context,
+            budget=budget,
+            seed=seed,
+            quiet=quiet,
+        )
+
+        def run_targets(progress: ProgressFn | None, on_result: ResultFn | None) -> AuditRun:
+            if progress is not None:
+                actx.progress = progress
+            with actx.open():
+                return run_audit(
+                    list(targets), actx, engine=engine, checks=names, on_result=on_result
+                )
+
+        run = _with_progress(run_targets, len(targets) * len(names), quiet, console)
+    else:
         runner = _embedded_runner()
         if runner is None:
             console.print(
@@ -110,68 +135,54 @@ def audit(
                 "start `kvfence serve` and pass --target URL"
             )
             sys.exit(2)
-        run = runner(checks=names, headroom=headroom, seed=seed)
-    else:
-        run = _run_targets(
-            list(targets),
-            engine,
-            names,
-            key_a,
-            key_b,
-            context,
-            headroom,
-            Budget(max_requests=max_requests, max_seconds=max_seconds),
-            seed,
-            quiet,
-            console,
-        )
+        if html_out is None:
+            html_out = str(Path(tempfile.mkdtemp(prefix="kvfence-audit-")) / "report.html")
+
+        def run_embedded(progress: ProgressFn | None, on_result: ResultFn | None) -> AuditRun:
+            return runner(
+                checks=names,
+                headroom=headroom,
+                seed=seed,
+                progress=progress,
+                budget=budget,
+                on_result=on_result,
+            )
+
+        run = _with_progress(run_embedded, 2 * len(names), quiet, console)
     finish(run, console, html_out, json_out, junit_out, quiet, fail_on_inconclusive)
 
 
-def _run_targets(
-    targets: list[str],
-    engine: str,
-    names: tuple[str, ...],
-    key_a: str | None,
-    key_b: str | None,
-    context: int | None,
-    headroom: float,
-    budget: Budget,
-    seed: int,
+ProgressFn = Callable[[str, float | None], None]
+ResultFn = Callable[[CheckResult], None]
+
+
+def _with_progress(
+    body: Callable[[ProgressFn | None, ResultFn | None], AuditRun],
+    total: int,
     quiet: bool,
     console: Console,
 ) -> AuditRun:
-    actx = AuditContext(
-        key_a=key_a,
-        key_b=key_b,
-        headroom=headroom,
-        context_override=context,
-        budget=budget,
-        seed=seed,
-        quiet=quiet,
-    )
-    with actx.open():
-        if quiet:
-            return run_audit(targets, actx, engine=engine, checks=names)
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            TimeElapsedColumn(),
-            console=console,
-            transient=True,
-        ) as progress:
-            overall = progress.add_task("audit", total=len(targets) * len(names))
-            step = progress.add_task("", total=1.0)
+    """Run `body` under a rich progress display (or silently with --quiet)."""
+    if quiet:
+        return body(None, None)
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        overall = progress.add_task("audit", total=total)
+        step = progress.add_task("", total=1.0)
 
-            def on_progress(message: str, fraction: float | None) -> None:
-                progress.update(step, description=message, completed=fraction or 0.0)
+        def on_progress(message: str, fraction: float | None) -> None:
+            progress.update(step, description=message, completed=fraction or 0.0)
 
-            def on_result(res: CheckResult) -> None:
-                progress.advance(overall)
-                progress.console.print(f"  {res.check} on {res.target}: {res.verdict.value}")
+        def on_result(res: CheckResult) -> None:
+            progress.advance(overall)
+            progress.console.print(f"  {res.check} on {res.target}: {res.verdict.value}")
 
-            actx.progress = on_progress
-            return run_audit(targets, actx, engine=engine, checks=names, on_result=on_result)
+        return body(on_progress, on_result)
 
 
 def finish(

@@ -1,0 +1,126 @@
+"""The embedded default: `kvfence audit` with no `--target`.
+
+Starts kvfence's own server twice on loopback — the lab's Workers AI
+incident configuration and the hardened engine with a pool that holds the
+context — audits both side by side with the full runbook, and stops them.
+The servers are separate `kvfence serve` processes: the audit still reaches
+them over HTTP only, exactly as it reaches any other engine (the fault names
+below are the public `--lab-fault` command-line switches, not imports).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from kvfence.audit.base import AuditContext, Budget, CheckResult
+from kvfence.audit.runbook import ALL_CHECKS, AuditRun, run_audit
+
+KEY_A = "embedded-tenant-a-key-0001"
+KEY_B = "embedded-tenant-b-key-0002"
+# The lab's scale: context 512; the incident's prefill pool is 21 pages x 16 = 336 tokens
+# (0.66 x context, like 681,280 / 1,048,576); the fix holds 64 pages = 2 x context.
+COMMON = ("--model-kind", "mirror", "--context-length", "512", "--page-size", "16")
+INCIDENT = (
+    "--kv-pages", "prefill=21,decode=64",
+    "--lab-fault", "undersized-pool", "--lab-fault", "abort-not-terminal",
+    "--lab-fault", "decode-trusts-bootstrap", "--lab-fault", "no-ledger-check",
+)  # fmt: skip
+HARDENED = ("--kv-pages", "prefill=64,decode=64")
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddedServer:
+    name: str
+    url: str
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextmanager
+def started(name: str, args: Sequence[str], workdir: Path) -> Iterator[EmbeddedServer]:
+    """One `kvfence serve` process with two known tenants; stopped on exit."""
+    tenants = workdir / "tenants.json"
+    tenants.write_text(
+        json.dumps(
+            {
+                "tenants": [
+                    {"name": "tenant-a", "keys": [KEY_A]},
+                    {"name": "tenant-b", "keys": [KEY_B]},
+                ]
+            }
+        )
+    )
+    port = _free_port()
+    cmd = [sys.executable, "-c", "from kvfence.cli import main; main()", "serve"]
+    cmd += ["--port", str(port), "--tenants", str(tenants), *COMMON, *args]
+    log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 — closed in finally
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield EmbeddedServer(name, f"http://127.0.0.1:{port}")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def wait_ready(server: EmbeddedServer, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.3)
+            continue
+        time.sleep(0.3)
+    raise RuntimeError(f"embedded server {server.name} did not become ready at {server.url}")
+
+
+def audit_embedded(
+    checks: Sequence[str] = ALL_CHECKS,
+    headroom: float = 1.25,
+    seed: int = 0,
+    progress: Callable[[str, float | None], None] | None = None,
+    budget: Budget | None = None,
+    on_result: Callable[[CheckResult], None] | None = None,
+) -> AuditRun:
+    """Start the incident lab and the hardened engine, audit both, stop them."""
+    with tempfile.TemporaryDirectory(prefix="kvfence-embedded-") as tmp, ExitStack() as stack:
+        servers = []
+        for name, args in (("workers-ai-2026", INCIDENT), ("hardened", HARDENED)):
+            workdir = Path(tmp) / name
+            workdir.mkdir()
+            servers.append(stack.enter_context(started(name, args, workdir)))
+        for s in servers:
+            if progress is not None:
+                progress(f"starting {s.name} at {s.url}", None)
+            wait_ready(s)
+        ctx = AuditContext(
+            key_a=KEY_A, key_b=KEY_B, headroom=headroom, seed=seed, budget=budget or Budget()
+        )
+        if progress is not None:
+            ctx.progress = progress
+        with ctx.open():
+            return run_audit(
+                [s.url for s in servers], ctx, engine="kvfence", checks=checks, on_result=on_result
+            )
