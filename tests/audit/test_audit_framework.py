@@ -183,3 +183,32 @@ def test_reports_are_well_formed(tmp_path: Path) -> None:
     assert 'class="flagged"' in page
     for external in ("<script", "<link", "src=", "href="):
         assert external not in page
+
+
+def test_cli_on_a_dead_target_is_inconclusive_exit_2(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from kvfence.audit.cli import audit
+
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(
+        audit,
+        ["--target", "http://127.0.0.1:9", "--quiet", "--json", str(out), "--checks", "capacity"],
+    )
+    assert res.exit_code == 2, res.output
+    doc = json.loads(out.read_text())
+    assert doc["verdict"] == "inconclusive"
+    assert "no adapter recognised" in doc["targets"][0]["error"]
+    res = CliRunner().invoke(
+        audit, ["--target", "http://127.0.0.1:9", "--quiet", "--no-fail-on-inconclusive"]
+    )
+    assert res.exit_code == 0
+
+
+def test_cli_rejects_unknown_checks() -> None:
+    from click.testing import CliRunner
+
+    from kvfence.audit.cli import audit
+
+    res = CliRunner().invoke(audit, ["--target", "http://127.0.0.1:9", "--checks", "nope"])
+    assert res.exit_code == 2 and "unknown check" in res.output

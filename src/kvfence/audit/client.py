@@ -277,10 +277,14 @@ class ProbeClient:
         timeout = self.budget.timeout_for(timeout_s or self.timeout_s)
         raw: list[str] = []
         t0 = time.perf_counter()
+        deadline = t0 + timeout  # httpx's timeout is per read: a trickling stream is cut here
         try:
             with self._http.stream("POST", path, json=payload, timeout=timeout) as r:
                 resp.status = r.status_code
                 for line in r.iter_lines():
+                    if time.perf_counter() > deadline:
+                        resp.error = f"stream still open after {timeout:.0f} s: cut"
+                        break
                     raw.append(line)
                     if not line.startswith("data:"):
                         continue
