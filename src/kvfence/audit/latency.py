@@ -126,8 +126,8 @@ class LatencyConfig:
     tolerance_sigmas: float = 4.0
     skipped_fraction: float = 0.5
     long_quantile: float = 5.0
-    repeats: int = 5
-    points: int = 6
+    repeats: int = 4
+    points: int = 5
     min_tokens: int = 16
     max_tokens_cap: int | None = None
     lengths: tuple[int, ...] | None = None
