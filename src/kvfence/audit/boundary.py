@@ -41,6 +41,7 @@ class Rung:
     tokens: int
     max_tokens: int
     expect: str  # "accept" | "reject"
+    why: str = "over the advertised limit"
 
 
 def is_mirror(facts: TargetFacts) -> bool:
@@ -84,7 +85,7 @@ def judge_accept(r: ProbeResponse, prompt: Prompt, mirror: bool) -> tuple[Verdic
     return Verdict.PASS, f"{r.status} with its own content"
 
 
-def judge_reject(r: ProbeResponse) -> tuple[Verdict, str]:
+def judge_reject(r: ProbeResponse, why: str = "over the advertised limit") -> tuple[Verdict, str]:
     """An over-long probe: error status AND error body; never 2xx."""
     if not r.answered:
         return Verdict.INCONCLUSIVE, f"no HTTP answer: {r.error}"
@@ -92,7 +93,7 @@ def judge_reject(r: ProbeResponse) -> tuple[Verdict, str]:
         what = "with content" if has_content(r) else "without content"
         return (
             Verdict.FAIL,
-            f"over-long prompt answered {r.status} {what} (finish_reason={r.finish_reason}, "
+            f"prompt {why} answered {r.status} {what} (finish_reason={r.finish_reason}, "
             f"text={r.text[:120]!r}) — a rejected request must never answer success",
         )
     if not r.body.strip():
@@ -179,7 +180,7 @@ class BoundaryCheck(Check):
         if rung.expect == "accept":
             verdict, detail = judge_accept(r, prompt, mirror)
         else:
-            verdict, detail = judge_reject(r)
+            verdict, detail = judge_reject(r, rung.why)
         row.update(status=r.status, verdict=verdict.value, detail=detail, response=r.brief())
         if r.ok and echoes(r, prompt):
             row["echo"] = True
@@ -200,10 +201,22 @@ def ladder(limit: int, facts: TargetFacts) -> list[Rung]:
     if pool is not None and pool < limit:
         # The incident's window: accepted by the edge, larger than the pool.
         rungs.insert(2, Rung("inside pool", pool - ECHO_TOKENS, ECHO_TOKENS, "accept"))
-        rungs.insert(3, Rung("pool + 1", pool + 1, ECHO_TOKENS * 2, "reject"))
+        rungs.insert(
+            3,
+            Rung(
+                "pool + 1",
+                pool + 1,
+                ECHO_TOKENS * 2,
+                "reject",
+                f"larger than the {pool:,}-token KV pool",
+            ),
+        )
         # A prompt the pool cannot hold has no honest 2xx, whatever the edge advertises.
+        why = f"larger than the {pool:,}-token KV pool"
         rungs = [
-            Rung(r.name, r.tokens, r.max_tokens, "reject") if r.tokens + r.max_tokens > pool else r
+            Rung(r.name, r.tokens, r.max_tokens, "reject", why)
+            if r.tokens + r.max_tokens > pool and r.expect == "accept"
+            else r
             for r in rungs
         ]
     return rungs
