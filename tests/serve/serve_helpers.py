@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvfence.serve.app import create_app
 from kvfence.serve.build import ServerParts, build_local
+from kvfence.serve.router import Router
 from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.thread import ServerThread
 
@@ -27,6 +28,7 @@ class Served:
     url: str
     parts: ServerParts
     tenants: TenantRegistry
+    router: Router  # in-process; tests use it only to find a live room, as an operator would
     # One client for the helpers: a fresh httpx client per call costs ~0.2 s (TLS context).
     http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=60))
     _clients: dict[str, openai.OpenAI] = field(default_factory=dict)
@@ -109,6 +111,6 @@ def serve(
     parts.pipeline.start()
     try:
         with ServerThread(app) as srv, httpx.Client(timeout=60) as http:
-            yield Served(srv.url, parts, registry, http)
+            yield Served(srv.url, parts, registry, app.state.router, http)
     finally:
         parts.pipeline.stop()

@@ -139,3 +139,27 @@ def test_disconnect_while_waiting_for_a_non_streaming_answer_aborts(mirror: Serv
     )
     generated = after["kvfence_generation_tokens_total"] - before["kvfence_generation_tokens_total"]
     assert generated < 3000
+
+
+def test_abort_mid_stream_ends_with_an_error_event_never_a_finish(mirror: Served) -> None:
+    """I6: an operator abort after admission reaches the client as an SSE error, then [DONE]."""
+    body = {
+        "model": mirror.model,
+        "prompt": "operator abort canary " * 4,
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", mirror.url + "/v1/completions", json=body, headers=mirror.headers(), timeout=60
+    ) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line).startswith("data: {")
+        (room,) = mirror.router.rooms  # the only live request; rooms are never shown to clients
+        mirror.parts.pipeline.abort(room, "operator drain")
+        rest = [line for line in lines if line]
+    events = [json.loads(x[6:]) for x in rest[:-1]]
+    assert rest[-1] == "data: [DONE]"
+    assert "error" in events[-1] and "operator drain" in events[-1]["error"]["message"]
+    assert all(e.get("choices", [{}])[0].get("finish_reason") is None for e in events[:-1])
+    assert mirror.wait_idle() == IDLE

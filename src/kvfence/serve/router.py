@@ -317,7 +317,9 @@ class Router:
     def _failed(self, failure: Failure) -> ApiError:
         """The backend's original error, unchanged (I6)."""
         e = failure.error
-        if e.status < 500:
+        if e.type == "aborted":  # an abort from outside this request's router path
+            self.counters.outcome("aborted")
+        elif e.status < 500:
             self.counters.rejected(e.code or e.type)
         else:
             self.counters.outcome("failed")
