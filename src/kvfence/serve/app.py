@@ -22,7 +22,7 @@ from kvfence.serve.config import Capacity, ServeConfig, decide_capacity
 from kvfence.serve.info import server_info
 from kvfence.serve.metrics import RouterCounters, make_registry, render
 from kvfence.serve.protocol import ApiError
-from kvfence.serve.router import Router, read_body
+from kvfence.serve.router import INTERNAL_ERROR, Router, read_body
 from kvfence.serve.tenants import TenantRegistry
 
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -76,6 +76,10 @@ def create_app(
     async def api_error(_request: Request, e: ApiError) -> Response:
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(Exception)
+    async def internal(_request: Request, _e: Exception) -> Response:
+        return JSONResponse(INTERNAL_ERROR.body(), status_code=500)
 
     @app.exception_handler(404)
     async def not_found(request: Request, _e: Exception) -> Response:

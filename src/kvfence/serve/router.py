@@ -38,6 +38,12 @@ from kvfence.serve.tenants import TenantRegistry
 
 log = logging.getLogger(__name__)
 ROOM_ATTEMPTS = 4
+INTERNAL_ERROR = ApiError(
+    500,
+    "internal server error; the request was stopped",
+    type="server_error",
+    code="internal_error",
+)
 Event = TokenChunk | Failure
 
 
@@ -302,8 +308,15 @@ class Router:
             )
         try:
             return await self._collect(run, first)
+        except ApiError:
+            raise  # the backend's own error, already counted
+        except Exception:
+            log.exception("request %s failed in the router", run.room[:8])
+            self.counters.outcome("failed")
+            raise
         finally:
             watcher.cancel()
+            self.finish(run, "router error")  # no-op unless the backend side is still running
 
     @property
     def body_limit(self) -> int:
@@ -406,6 +419,14 @@ class Router:
                         "usage": self._usage(run, out),
                     }
                 )
+            yield "data: [DONE]\n\n"
+        except Exception:
+            # A router bug mid-stream: still end honestly (I6), never with a silent cut.
+            log.exception("stream %s failed in the router", run.room[:8])
+            self.finish(run, "router error")
+            self.counters.outcome("failed")
+            outcome_counted = True
+            yield sse(INTERNAL_ERROR.body())
             yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()
