@@ -10,6 +10,7 @@ from decode_side import Decode, prefill
 from test_transports import job
 
 from kvfence.engine.messages import Abort, PageRef, TransferManifest, encode_message
+from kvfence.engine.pool import IsolationViolation
 from kvfence.engine.reconcile import TransferMismatch
 from kvfence.serve.transfer import (
     KVTransport,
@@ -87,3 +88,22 @@ def test_registry_names_and_plug_in() -> None:
         registry.register_transport("tcp", InProcessTransport)
     assert "nixl" not in transport_names()  # registries are values, not global state
     assert TransportRegistry().names() == []
+
+
+def test_expect_refuses_a_duplicate_room_and_stale_handles_without_side_effects() -> None:
+    decode = Decode("inprocess")
+    try:
+        res = decode.reserve("dup")
+        with pytest.raises(ValueError, match="already expecting"):
+            decode.rx.expect(res)
+        assert bool(decode.pool.inbound[[h.index for h in res.handles]].all())  # still protected
+        decode.rx.cancel("dup")
+        decode.pool.release(res.handles)
+        decode.reservations.clear()
+        decode.poll()
+        with pytest.raises(IsolationViolation):
+            decode.rx.expect(res)  # released: its handles are stale now
+        assert decode.rx.waiting() == []
+        decode.pool.check_integrity()
+    finally:
+        decode.close()

@@ -263,6 +263,11 @@ class RoomBook:
                 raise ValueError(f"room {room!r} is already expecting a transfer")
             self._rooms[room] = _Room(refs, tuple(r.index for r in refs))
 
+    def forget(self, room: str) -> None:
+        """Drop a room that never became writable (its pages were never marked inbound)."""
+        with self._lock:
+            self._rooms.pop(room, None)
+
     def grant(self, manifest: TransferManifest) -> str | None:
         """None if the sender may now write this room's pages, else why not (then the room ends)."""
         with self._lock:
@@ -353,8 +358,12 @@ class KVReceiver(ABC):
 
     def expect(self, reservation: Reservation) -> None:
         """The reservation's pages are handed to prefill: a transfer may land from now on (I7)."""
-        self.pool.begin_inbound(reservation.handles)
-        self.book.expect(reservation.room, reservation.refs)
+        self.book.expect(reservation.room, reservation.refs)  # a duplicate room raises here (I9)
+        try:
+            self.pool.begin_inbound(reservation.handles)  # stale handles raise here
+        except Exception:
+            self.book.forget(reservation.room)
+            raise
 
     def poll(self) -> list[Event]:
         """Everything that happened since the last poll; ends the inbound window of finished rooms."""

@@ -75,6 +75,9 @@ class ListeningReceiver(KVReceiver):
         except (TransportClosed, OSError) as e:
             if granted:
                 log.warning("sender gone with %d transfer(s) in flight: %s", len(granted), e)
+        except Exception:
+            # A frame this receiver cannot handle ends that connection, never the receiver.
+            log.exception("dropped a sender connection after an unexpected error")
         finally:
             # A dead or closed sender writes nothing more: confirm its rooms as ended (I7).
             self.book.lost(sorted(granted))

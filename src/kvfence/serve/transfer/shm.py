@@ -58,8 +58,12 @@ def map_storage(
     )
     nbytes = geometry.bytes_per_page // 2 * num_pages  # one of K or V
     if create:
-        with open(path, "xb") as f:
-            f.truncate(2 * nbytes)
+        # 0600: the file holds tenants' KV; no other local user may map it.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, 2 * nbytes)
+        finally:
+            os.close(fd)
     raw = torch.from_file(path, shared=True, size=2 * nbytes, dtype=torch.uint8)
     k = raw[:nbytes].view(geometry.torch_dtype).view(shape)
     v = raw[nbytes:].view(geometry.torch_dtype).view(shape)
