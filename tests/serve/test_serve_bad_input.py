@@ -30,7 +30,7 @@ CASES: list[tuple[str, Any, str | None, str, str]] = [
     ("completions", {"prompt": ["a", "b"]}, "prompt", "unsupported_parameter", "batched"),
     ("completions", {"prompt": TOO_LONG}, "prompt", "context_length_exceeded", "4096"),
     ("completions", {"prompt": [1] * 100, "max_tokens": 4000}, "max_tokens", "context_length_exceeded", "4100 exceeds"),
-    ("completions", {"prompt": [1] * 4096}, "prompt", "context_length_exceeded", "4096"),
+    ("completions", {"prompt": [1] * 4096}, "prompt", "context_length_exceeded", "4097 exceeds"),
     ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", "invalid_value", ">= 1"),
     ("completions", {"prompt": "x", "max_tokens": -5}, "max_tokens", "invalid_value", ">= 1"),
     ("completions", {"prompt": "x", "max_tokens": 10**12}, "max_tokens", "context_length_exceeded", "4096"),

@@ -185,8 +185,9 @@ class Router:
         # I4: with an undersized pool the edge is the pool, and it is enforced here,
         # before the backend sees anything.
         limit_name = "pool_capacity_exceeded" if edge < ctx else "context_length_exceeded"
-        max_tokens = asked if asked is not None else min(self.config.default_max_tokens, edge - n)
-        if n + max(max_tokens, 1) > edge:
+        default = max(1, min(self.config.default_max_tokens, edge - n))
+        max_tokens = asked if asked is not None else default
+        if n + max_tokens > edge:
             raise bad_request(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
                 f"this server's limit of {edge} tokens per request (max_req_input_len)",
