@@ -35,7 +35,8 @@ def test_sglang_facts_and_detection(replay: ReplayServer, client: ProbeClient) -
     assert "max_total_num_tokens" in facts.pool_tokens.source
     assert facts.context_length.value == 1048576
     assert facts.context_length.source == "GET /v1/models data[0].max_model_len"
-    assert facts.max_input.value == 681279
+    assert facts.max_input.value == 681279  # the scheduler's limit, under context - 2
+    assert facts.extra["allow_auto_truncate"].value is False
     assert facts.page_size.value == 64
     assert facts.prefix_caching.value is True
     assert facts.extra["disaggregation_mode"].value == "prefill"
@@ -55,6 +56,25 @@ def test_sglang_old_endpoint_uses_smallest_dp_rank(
     # context_length null and no /v1/models: unknown, never guessed
     assert not facts.context_length.known
     assert facts.engine.source == "GET /get_server_info"
+
+
+def test_sglang_max_input_follows_its_length_rule(
+    replay: ReplayServer, client: ProbeClient
+) -> None:
+    replay.json(
+        "/server_info",
+        {
+            "model_path": "m",
+            "context_length": 4096,
+            "max_total_num_tokens": 90000,
+            "max_req_input_len": 4095,
+            "internal_states": [],
+        },
+    )
+    facts = make_target(replay.url, "sglang", client).facts(client)
+    # input + max_new_tokens >= context_len is refused: with max_tokens=1, 4094 is the longest.
+    assert facts.max_input.value == 4094
+    assert facts.context_length.source == "GET /server_info context_length (server arg)"
 
 
 def test_sglang_pool_from_metrics_when_info_missing(

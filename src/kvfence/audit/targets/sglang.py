@@ -97,6 +97,21 @@ class SglangTarget(Target):
             if isinstance(info.get("version"), str):
                 facts.extra["version"] = Fact(info["version"], f"GET {path} version")
         facts.context_length = self._context(info, path, entry)
+        ctx_len, mri = facts.context_length.as_int(), facts.max_input.as_int()
+        if ctx_len is not None and (mri is None or ctx_len - 2 < mri):
+            # SGLang rejects input + max_new_tokens >= context_len: with max_tokens=1 the
+            # longest prompt is context_len - 2.
+            facts.max_input = Fact(
+                ctx_len - 2,
+                f"{facts.context_length.source} - 2",
+                "SGLang rejects input + max_new_tokens >= context_len",
+            )
+        if info is not None and isinstance(info.get("allow_auto_truncate"), bool):
+            facts.extra["allow_auto_truncate"] = Fact(
+                info["allow_auto_truncate"],
+                f"GET {path} allow_auto_truncate",
+                "when true, over-long prompts are truncated and answered 200",
+            )
         facts.cache_salt_supported = Fact.unknown(
             "SGLang API", "not advertised over HTTP; the prefix-sharing check probes it"
         )
