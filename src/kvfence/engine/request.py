@@ -106,7 +106,19 @@ class Request:
         return self.state.terminal
 
     def advance(self, new: RequestState) -> None:
-        """Move along the table; an illegal move raises and changes nothing."""
+        """Move along the table; an illegal move raises and changes nothing.
+
+        Error endings go through `reject` / `abort` / `fail` only, so they always
+        carry the original error (I6): a bare `advance(REJECTED)` raises.
+        """
+        if new in (RequestState.REJECTED, RequestState.ABORTED, RequestState.FAILED):
+            raise IllegalTransition(
+                f"request {self.rid}: end with reject/abort/fail so the error travels, "
+                f"not advance({new.value})"
+            )
+        self._move(new)
+
+    def _move(self, new: RequestState) -> None:
         if new not in TRANSITIONS[self.state]:
             raise IllegalTransition(
                 f"request {self.rid}: {self.state.value} -> {new.value} is not allowed"
@@ -130,7 +142,7 @@ class Request:
         self._end_with(RequestState.FAILED, error)
 
     def _end_with(self, state: RequestState, error: RequestError) -> None:
-        self.advance(state)
+        self._move(state)
         self.error = error
 
     def legacy_finished(self) -> bool:
