@@ -105,7 +105,8 @@ def audit(
         raise click.UsageError(f"--headroom must be >= 1, got {headroom}")
     if context is not None and context <= 0:
         raise click.UsageError(f"--context must be positive, got {context}")
-    console = Console()
+    # CI logs are not terminals: give the summary table room instead of rich's 80 columns.
+    console = Console(width=None if sys.stdout.isatty() else 140)
     budget = Budget(max_requests=max_requests, max_seconds=max_seconds)
     if targets:
         actx = AuditContext(
