@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -32,6 +33,8 @@ class ReplayServer:
     """Serves `routes[(method, path)]`; anything else is a 404 JSON error. Records requests."""
 
     routes: dict[tuple[str, str], Route] = field(default_factory=dict)
+    # (method, path) -> function of the parsed JSON body, for answers that depend on it
+    handlers: dict[tuple[str, str], Callable[[Any], Route]] = field(default_factory=dict)
     seen: list[tuple[str, str, Any]] = field(default_factory=list)
     url: str = ""
 
@@ -51,8 +54,10 @@ def _handler(server: ReplayServer) -> type[BaseHTTPRequestHandler]:
         def _serve(self, method: str) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length else b""
-            server.seen.append((method, self.path, json.loads(raw) if raw else None))
-            route = server.routes.get((method, self.path)) or Route(
+            body = json.loads(raw) if raw else None
+            server.seen.append((method, self.path, body))
+            handler = server.handlers.get((method, self.path))
+            route = (handler(body) if handler else server.routes.get((method, self.path))) or Route(
                 404, json.dumps({"error": {"message": f"no route {self.path}"}})
             )
             data = route.body.encode()

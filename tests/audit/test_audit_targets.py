@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -179,3 +180,16 @@ def test_every_request_is_charged_to_the_budget(replay: ReplayServer) -> None:
     finally:
         c.close()
     assert len(replay.seen) == 2  # the third was never sent
+
+
+def test_tokenize_falls_back_to_llamacpp_content_field(
+    replay: ReplayServer, client: ProbeClient
+) -> None:
+    def tokenize(body: dict[str, object]) -> Route:
+        # llama-server reads `content`; without it, it answers 200 with no tokens.
+        text = body.get("content")
+        ids = [ord(c) for c in text] if isinstance(text, str) else []
+        return Route(200, json.dumps({"tokens": ids}))
+
+    replay.handlers[("POST", "/tokenize")] = tokenize
+    assert client.tokenize("abc") == [97, 98, 99]

@@ -321,16 +321,11 @@ class ProbeClient:
         payload: dict[str, Any] = {"prompt": text}
         if self.model is not None:
             payload["model"] = self.model
-        r = self.post("/tokenize", payload)
-        if not r.ok or not isinstance(r.json, dict):
-            # llama.cpp names the field `content`.
-            r = self.post("/tokenize", {"content": text})
-            if not r.ok or not isinstance(r.json, dict):
-                return None
-        toks = r.json.get("tokens")
-        if isinstance(toks, list) and all(isinstance(t, int) for t in toks):
-            return toks
-        return None
+        toks = _tokens(self.post("/tokenize", payload))
+        if not toks and text:
+            # llama.cpp names the field `content` (and may answer 200 with no tokens otherwise).
+            toks = _tokens(self.post("/tokenize", {"content": text}))
+        return toks or None
 
     def detokenize(self, ids: list[int]) -> str | None:
         """POST /detokenize; None if absent."""
@@ -343,6 +338,15 @@ class ProbeClient:
             if isinstance(v, str):
                 return v
         return None
+
+
+def _tokens(r: ProbeResponse) -> list[int] | None:
+    if not r.ok or not isinstance(r.json, dict):
+        return None
+    toks = r.json.get("tokens")
+    if isinstance(toks, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+        return toks
+    return None
 
 
 def _absorb_openai(resp: ProbeResponse, obj: dict[str, Any], append: bool = False) -> None:
