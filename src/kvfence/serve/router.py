@@ -31,7 +31,7 @@ from kvfence.engine.messages import ErrorInfo, Failure, MessageError, SamplingPa
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve import protocol
 from kvfence.serve.config import Capacity, ServeConfig
-from kvfence.serve.metrics import RouterCounters
+from kvfence.serve.metrics import Outcome, RouterCounters
 from kvfence.serve.output import OutputAssembler, Piece
 from kvfence.serve.protocol import ApiError, GenerationRequest, bad_request
 from kvfence.serve.tenants import TenantRegistry
@@ -68,6 +68,7 @@ class Run:
     queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     gone: asyncio.Event = field(default_factory=asyncio.Event)  # the client disconnected
     ended: bool = False  # the backend's side is over (terminal event seen, or aborted)
+    counted: bool = False  # its outcome is in the metrics (exactly once)
     # What the client sees as the id: independent of the room, which clients never learn (I9).
     response_id: str = field(default_factory=lambda: secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
@@ -90,6 +91,7 @@ class Router:
         self.tenants = tenants
         self.counters = counters
         self.rooms: dict[str, str] = {}  # live room -> tenant
+        self._watchers: set[asyncio.Task[None]] = set()
 
     # ---- auth ---------------------------------------------------------------------------
 
@@ -256,6 +258,7 @@ class Router:
             # I9/I10: an event for another room must never reach this client.
             self.counters.isolation_violations += 1
             log.error("event for a foreign room reached request %s", run.room[:8])
+            self.finish(run, "isolation check failed")
             return Failure(
                 run.room,
                 ErrorInfo(
@@ -286,7 +289,9 @@ class Router:
         except ApiError as e:
             self.counters.rejected(e.code or e.type)
             raise
-        watcher = asyncio.create_task(_watch_disconnect(request, run.gone))
+        watcher = asyncio.create_task(self._watch_disconnect(request, run))
+        self._watchers.add(watcher)  # the loop keeps only weak references to tasks
+        watcher.add_done_callback(self._watchers.discard)
         try:
             first = await self.next_event(run)
         except BaseException:
@@ -300,7 +305,7 @@ class Router:
             watcher.cancel()
             run.ended = True
             self.finish(run, None)
-            raise self._failed(first)
+            raise self._failed(run, first)
         if prep.req.stream:
             return StreamingResponse(
                 self._stream(run, first, watcher),
@@ -313,7 +318,7 @@ class Router:
             raise  # the backend's own error, already counted
         except Exception:
             log.exception("request %s failed in the router", run.room[:8])
-            self.counters.outcome("failed")
+            self._outcome(run, "failed")
             raise
         finally:
             watcher.cancel()
@@ -325,18 +330,38 @@ class Router:
 
     def _client_gone(self, run: Run) -> Response:
         self.finish(run, "client disconnected")
-        self.counters.outcome("aborted")
+        self._outcome(run, "aborted")
         return Response(status_code=499)
 
-    def _failed(self, failure: Failure) -> ApiError:
+    def _outcome(self, run: Run, outcome: Outcome, reason: str | None = None) -> None:
+        if run.counted:
+            return
+        run.counted = True
+        if outcome == "rejected":
+            self.counters.rejected(reason or "unknown")
+        else:
+            self.counters.outcome(outcome)
+
+    async def _watch_disconnect(self, request: Request, run: Run) -> None:
+        """When the client disconnects, abort at once, even if no one is reading the run."""
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                run.gone.set()
+                if not run.ended:
+                    self.finish(run, "client disconnected")
+                    self._outcome(run, "aborted")
+                return
+
+    def _failed(self, run: Run, failure: Failure) -> ApiError:
         """The backend's original error, unchanged (I6)."""
         e = failure.error
         if e.type == "aborted":  # an abort from outside this request's router path
-            self.counters.outcome("aborted")
+            self._outcome(run, "aborted")
         elif e.status < 500:
-            self.counters.rejected(e.code or e.type)
+            self._outcome(run, "rejected", e.code or e.type)
         else:
-            self.counters.outcome("failed")
+            self._outcome(run, "failed")
         return ApiError(e.status, e.message, type=e.type, param=e.param, code=e.code)
 
     def _apply(self, run: Run, out: OutputAssembler, event: Event) -> Piece | Failure:
@@ -365,14 +390,14 @@ class Router:
             result = self._apply(run, out, event)
             if isinstance(result, Failure):
                 self.finish(run, None)
-                raise self._failed(result)
+                raise self._failed(run, result)
             text.append(result.text)
             logprobs.extend(result.logprobs)
             if result.finish_reason is not None:
                 break
             event = await self.next_event(run)
         self.finish(run, None)
-        self.counters.outcome("finished")
+        self._outcome(run, "finished")
         body = self._envelope(run, final=True)
         content = "".join(text)
         lp = self._logprobs_body(req, logprobs, 0)
@@ -389,7 +414,6 @@ class Router:
     ) -> AsyncIterator[str]:
         req = run.prep.req
         out = self._assembler(req)
-        outcome_counted = False
         try:
             if req.kind == "chat":
                 yield self._chunk(run, {"role": "assistant", "content": ""}, None, None)
@@ -399,8 +423,7 @@ class Router:
                 result = self._apply(run, out, event)
                 if isinstance(result, Failure):
                     self.finish(run, None)
-                    err = self._failed(result)
-                    outcome_counted = True
+                    err = self._failed(run, result)
                     yield sse(err.body())
                     yield "data: [DONE]\n\n"
                     return
@@ -410,8 +433,7 @@ class Router:
                     break
                 event = await self.next_event(run)
             self.finish(run, None)
-            self.counters.outcome("finished")
-            outcome_counted = True
+            self._outcome(run, "finished")
             if req.include_usage:
                 yield sse(
                     {
@@ -425,16 +447,15 @@ class Router:
             # A router bug mid-stream: still end honestly (I6), never with a silent cut.
             log.exception("stream %s failed in the router", run.room[:8])
             self.finish(run, "router error")
-            self.counters.outcome("failed")
-            outcome_counted = True
+            self._outcome(run, "failed")
             yield sse(INTERNAL_ERROR.body())
             yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()
-            if not outcome_counted:
+            if not run.counted:
                 # The client went away mid-stream (or the send failed): free its pages now.
                 self.finish(run, "client disconnected")
-                self.counters.outcome("aborted")
+                self._outcome(run, "aborted")
 
     # ---- response shapes -----------------------------------------------------------------
 
@@ -504,12 +525,3 @@ async def read_body(request: Request, limit: int) -> bytes:
             )
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-async def _watch_disconnect(request: Request, gone: asyncio.Event) -> None:
-    """Set `gone` when the client disconnects (the body has been read by then)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            gone.set()
-            return
