@@ -213,3 +213,15 @@ def test_sink_sees_exactly_one_end(models: Models) -> None:
     assert len(sink.events) == 1 and sink.wait(0).error is not None
     assert_quiet_and_empty(pipe)
     assert pipe.prefill_pool.page_size == PAGE
+
+
+def test_decode_rows_hold_and_the_newest_fails_when_no_row_can_grow(models: Models) -> None:
+    # 4 decode pages: two 30-token prompts take 2 pages each and both need a third.
+    pipe = models.pipeline(decode_pages=4, prefix_cache=False)
+    first, second = list(range(10, 40)), list(range(60, 90))
+    r1, r2 = run(pipe, [work("old", "t", first, greedy(20)), work("new", "u", second, greedy(20))])
+    assert r1.error is None and r1.token_ids == first[:20]
+    assert r2.error is not None and r2.error.status == 503
+    assert set(r2.token_ids) <= set(second)  # what it streamed before failing was its own
+    assert pipe.decode.counters.preempted == 1
+    assert_quiet_and_empty(pipe)

@@ -101,14 +101,15 @@ class BatchPages:
     ) -> BatchPages:
         width = max((len(t) for t in tables), default=0)
         rows = len(tables)
-        flat = torch.zeros((rows, width, 3), dtype=torch.int64)
-        valid = torch.zeros((rows, width), dtype=torch.bool)
-        for i, table in enumerate(tables):
-            if table:
-                flat[i, : len(table)] = torch.tensor(
-                    [(h.index, h.generation, h.owner) for h in table]
-                )
-                valid[i, : len(table)] = True
+        pad = (0, 0, 0)
+        # One tensor construction for the whole batch: this runs on every step.
+        data = [
+            [x for h in t for x in (h.index, h.generation, h.owner)] + list(pad) * (width - len(t))
+            for t in tables
+        ]
+        flat = torch.tensor(data, dtype=torch.int64).reshape(rows, width, 3)
+        sizes = torch.tensor([len(t) for t in tables], dtype=torch.int64)
+        valid = torch.arange(width)[None, :] < sizes[:, None]
         return BatchPages(
             pages=flat[..., 0],
             generations=flat[..., 1],
