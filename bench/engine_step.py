@@ -61,7 +61,9 @@ def main() -> None:
     for i in range(args.rows):
         prompt = tuple(torch.randint(3, vocab, (128,), generator=g).tolist())
         sampling = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-        pipe.submit(GenerateWork(f"r{i}", f"t{i % 4}", prompt, sampling, f"t{i % 4}"), CollectingSink())
+        pipe.submit(
+            GenerateWork(f"r{i}", f"t{i % 4}", prompt, sampling, f"t{i % 4}"), CollectingSink()
+        )
     steps: list[float] = []
     forwards: list[float] = []
     decode_step = pipe.decode.step
