@@ -8,8 +8,9 @@ import pytest
 from runtime_helpers import PAGE, Models, assert_quiet_and_empty, greedy, run, submit, work
 
 from kvfence.engine.config import EngineConfig
-from kvfence.engine.messages import SamplingParams
-from kvfence.engine.pipeline import CollectingSink
+from kvfence.engine.faults import Fault, FaultSet
+from kvfence.engine.messages import Bootstrap, BootstrapReady, SamplingParams
+from kvfence.engine.pipeline import CollectingSink, LocalPipeline
 from kvfence.engine.request import RequestState
 
 
@@ -225,3 +226,26 @@ def test_decode_rows_hold_and_the_newest_fails_when_no_row_can_grow(models: Mode
     assert set(r2.token_ids) <= set(second)  # what it streamed before failing was its own
     assert pipe.decode.counters.preempted == 1
     assert_quiet_and_empty(pipe)
+
+
+def _reserved_then_aborted(models: Models, faults: FaultSet) -> LocalPipeline:
+    pipe = models.pipeline(faults=faults)
+    ready = pipe.decode.bootstrap(
+        Bootstrap("r", "t", num_prompt_tokens=40, max_tokens=4, sampling=greedy(4))
+    )
+    assert isinstance(ready, BootstrapReady) and len(ready.pages) == 3
+    pipe.decode.abort("r", "client gone")  # the transfer may still land in these pages
+    return pipe
+
+
+def test_abort_defers_release_until_the_transfer_window_closes(models: Models) -> None:
+    pipe = _reserved_then_aborted(models, FaultSet())
+    assert pipe.decode_pool.num_pending == 3 and pipe.decode_pool.num_free == 128 - 3  # I7
+    pipe.decode.inbound_closed("r")
+    assert pipe.decode_pool.num_free == 128
+    assert_quiet_and_empty(pipe)
+
+
+def test_early_free_switch_reuses_pages_a_transfer_may_still_hit(models: Models) -> None:
+    pipe = _reserved_then_aborted(models, FaultSet.of(Fault.EARLY_FREE))
+    assert pipe.decode_pool.num_pending == 0 and pipe.decode_pool.num_free == 128

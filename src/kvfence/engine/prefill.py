@@ -16,6 +16,7 @@ sent for a reservation that expects many.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -37,6 +38,8 @@ from kvfence.engine.runner import ModelRunner, release_current
 from kvfence.engine.sampling import Sampler, SampleRow, TokenLogprobs
 from kvfence.model.base import CausalLM
 from kvfence.model.batching import RowSpec
+
+log = logging.getLogger(__name__)
 
 
 def error_info(error: RequestError) -> ErrorInfo:
@@ -151,7 +154,9 @@ class PrefillEngine:
 
     def submit(self, work: PrefillWork) -> None:
         if work.room in self.seqs:
-            raise ValueError(f"room {work.room} is already known to prefill (I9)")
+            # I9: rooms are unique; a second work for a live room is refused, never merged.
+            log.warning("refusing prefill work for room %s: already in progress", work.room)
+            return
         req = Request(work.room, work.tenant, work.prompt_ids, work.sampling.max_tokens)
         namespace = self.cache.resolve(work.cache_namespace)
         seq = _Seq(
