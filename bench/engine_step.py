@@ -53,7 +53,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         make_tiny_checkpoint(d, preset=args.preset)
         loaded = load_model(d, kind="llama")
-    config = EngineConfig(prefill_pages=256, decode_pages=512, page_size=16, max_running=args.rows)
+    pages = 13 * args.rows  # 128 prompt + 64 output tokens = 12 pages per request, plus slack
+    config = EngineConfig(
+        prefill_pages=pages, decode_pages=pages, page_size=16, max_running=args.rows
+    )
     timed = TimedModel(loaded.model)
     pipe = LocalPipeline(timed, loaded.config.kv_geometry(page_size=16), config)  # type: ignore[arg-type]
     g = torch.Generator().manual_seed(1)
