@@ -103,8 +103,9 @@ def gather(
         table = table[:, :num_pages]
     r, m = table.shape
     ps, kvh, hd = pool.page_size, pool.geometry.num_kv_heads, pool.geometry.head_dim
-    k = pool.k[layer][table].view(r, m * ps, kvh, hd)
-    v = pool.v[layer][table].view(r, m * ps, kvh, hd)
+    flat = table.reshape(-1)
+    k = pool.k[layer].index_select(0, flat).view(r, m * ps, kvh, hd)
+    v = pool.v[layer].index_select(0, flat).view(r, m * ps, kvh, hd)
     return k, v
 
 
@@ -133,6 +134,7 @@ class AttentionPlan:
     decode_is_all: bool  # every token is a decode token, in row order
     prefill: list[_PrefillRow]
     page_size: int
+    dtype: torch.dtype
     _masks: dict[tuple[str, int, int | None], torch.Tensor] = field(default_factory=dict)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
@@ -144,7 +146,9 @@ class AttentionPlan:
             mask = (kpos[None, :] < lengths[:, None]) & (kpos[None, :] <= qpos[:, None])
             if window is not None:
                 mask &= kpos[None, :] > qpos[:, None] - window
-            self._masks[key] = mask[:, None, None, :]  # [R, 1, 1, L]
+            # Additive float mask, built once per step: SDPA converts a bool mask on every call.
+            additive = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, float("-inf"))
+            self._masks[key] = additive[:, None, None, :]  # [R, 1, 1, L]
         return self._masks[key]
 
     def prefill_mask(self, i: int, window: int | None) -> torch.Tensor | None:
@@ -171,8 +175,10 @@ class AttentionBackend(ABC):
         """Store k, v ([T, kv_heads, head_dim]) at `slot_mapping` in `layer`."""
 
     @abstractmethod
-    def plan(self, pool: KVPool, batch: ForwardBatch) -> AttentionPlan:
-        """Per-step metadata, computed once and passed to every layer's `attend`."""
+    def plan(
+        self, pool: KVPool, batch: ForwardBatch, dtype: torch.dtype = torch.float32
+    ) -> AttentionPlan:
+        """Per-step metadata (masks in the compute `dtype`), computed once for all layers."""
 
     @abstractmethod
     def attend(
@@ -195,10 +201,14 @@ class CPUAttention(AttentionBackend):
         self, pool: KVPool, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         kvh, hd = pool.geometry.num_kv_heads, pool.geometry.head_dim
-        pool.k[layer].view(-1, kvh, hd).index_copy_(0, slot_mapping, k.to(pool.k.dtype))
-        pool.v[layer].view(-1, kvh, hd).index_copy_(0, slot_mapping, v.to(pool.v.dtype))
+        if k.dtype != pool.k.dtype:
+            k, v = k.to(pool.k.dtype), v.to(pool.v.dtype)
+        pool.k[layer].view(-1, kvh, hd).index_copy_(0, slot_mapping, k)
+        pool.v[layer].view(-1, kvh, hd).index_copy_(0, slot_mapping, v)
 
-    def plan(self, pool: KVPool, batch: ForwardBatch) -> AttentionPlan:
+    def plan(
+        self, pool: KVPool, batch: ForwardBatch, dtype: torch.dtype = torch.float32
+    ) -> AttentionPlan:
         ps = pool.page_size
         width = int(batch.pages.pages.shape[1])
         starts = batch.query_starts.tolist()
@@ -224,6 +234,7 @@ class CPUAttention(AttentionBackend):
             decode_is_all=len(decode_rows) == batch.num_rows,
             prefill=prefill,
             page_size=ps,
+            dtype=dtype,
         )
 
     def attend(
@@ -237,8 +248,6 @@ class CPUAttention(AttentionBackend):
         window: int | None = None,
     ) -> torch.Tensor:
         t, heads, hd = q.shape
-        kvh = pool.geometry.num_kv_heads
-        group = heads // kvh
         if plan.decode_is_all:
             return self._decode(pool, layer, q, plan, scale, window).reshape(t, heads * hd)
         out = q.new_empty((t, heads * hd))
@@ -252,12 +261,12 @@ class CPUAttention(AttentionBackend):
             row = torch.tensor([p.row])
             k, v = gather(pool, layer, pages, row, p.num_pages)
             # [1, L, kvh, hd] -> [1, heads, L, hd]: repeat each KV head for its query group.
-            k = k[:, : p.length].to(q.dtype).permute(0, 2, 1, 3).repeat_interleave(group, dim=1)
-            v = v[:, : p.length].to(q.dtype).permute(0, 2, 1, 3).repeat_interleave(group, dim=1)
+            k = _as(k[:, : p.length], q.dtype).permute(0, 2, 1, 3)  # [1, kvh, L, hd]
+            v = _as(v[:, : p.length], q.dtype).permute(0, 2, 1, 3)
             qr = q[p.start : p.end].permute(1, 0, 2).unsqueeze(0)  # [1, heads, n, hd]
             mask = plan.prefill_mask(i, window)
             o = F.scaled_dot_product_attention(
-                qr, k, v, attn_mask=mask, is_causal=mask is None, scale=scale
+                qr, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
             )
             out[p.start : p.end] = o[0].permute(1, 0, 2).reshape(p.end - p.start, heads * hd)
         return out
@@ -276,13 +285,17 @@ class CPUAttention(AttentionBackend):
         kvh = pool.geometry.num_kv_heads
         rows = None if plan.decode_is_all else plan.decode_rows
         k, v = gather(pool, layer, plan.batch.pages, rows, plan.decode_pages)
-        k = k.to(q.dtype).permute(0, 2, 1, 3)  # [R, kvh, L, hd]
-        v = v.to(q.dtype).permute(0, 2, 1, 3)
+        k = _as(k, q.dtype).permute(0, 2, 1, 3)  # [R, kvh, L, hd]
+        v = _as(v, q.dtype).permute(0, 2, 1, 3)
         qg = q.view(r, kvh, heads // kvh, hd)  # head h = kv_head * group + g, as HF's repeat_kv
         o = F.scaled_dot_product_attention(
             qg, k, v, attn_mask=plan.decode_mask(window), scale=scale
         )
         return o.reshape(r, heads, hd)
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"cpu": CPUAttention}

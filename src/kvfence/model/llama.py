@@ -49,6 +49,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm: normalise in float32, cast back, then scale."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -92,10 +95,14 @@ class DecoderLayer(torch.nn.Module):
         t = x.shape[0]
         h = rms_norm(x, self.input_norm, c.rms_norm_eps)
         qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = apply_rope(q.view(t, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rope(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
-        v = v.reshape(t, c.num_kv_heads, c.head_dim)
+        # q and k are adjacent in the fused projection: rotate them in one go.
+        qk = apply_rope(
+            qkv[:, : self.q_size + self.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim),
+            cos,
+            sin,
+        )
+        q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_kv_heads, c.head_dim)
         model.backend.write(pool, self.index, batch.slot_mapping, k, v)
         o = model.backend.attend(pool, self.index, q, plan, scale=model.scale, window=self.window)
         x = x + F.linear(o, self.o_weight, self.o_bias)
@@ -214,7 +221,7 @@ class LlamaModel(CausalLM):
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         with torch.inference_mode():
             begin_step(pool, batch)  # I1: writes checked, page tables verified, before any gather
-            plan = self.backend.plan(pool, batch)
+            plan = self.backend.plan(pool, batch, self.dtype)
             freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
             cos = freqs.cos().to(self.dtype)[:, None, :]
             sin = freqs.sin().to(self.dtype)[:, None, :]
