@@ -50,7 +50,7 @@ class NoninterferenceConfig:
     max_tokens: int = 8
     repeats: int = 8
     long_probe: bool = True
-    long_probe_cap: int = 2048
+    long_probe_cap: int = 1024
     logprobs: int = 1
     load_concurrency: int = 3
     load_tokens: int = 192
