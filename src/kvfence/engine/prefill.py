@@ -203,7 +203,17 @@ class PrefillEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether `step` can make progress now (so a loop can sleep instead of spinning)."""
+        if self.running:
+            return True
+        if not self.waiting:
+            return False
+        head = self.waiting[0]
+        n = len(head.input_ids)
+        if not self._admissible(head) or n > self.pool.capacity_tokens:
+            return True  # the step drops or rejects it
+        need = self.pool.geometry.pages_for(n)
+        return need <= self.pool.num_free + self.cache.num_evictable
 
     def drain(self) -> PrefillOutput:
         out, self._out = self._out, PrefillOutput()
