@@ -41,7 +41,7 @@ class NoninterferenceConfig:
     ``max_tokens`` generated per answer. With ``long_probe`` the last probe is
     long: just past the KV pool when the target's pool is smaller than its
     input limit (where the Workers AI reject path fired), else at the input
-    limit; at most ``long_probe_cap`` tokens. A's load: ``load_concurrency``
+    limit but at most ``long_probe_cap`` tokens. A's load: ``load_concurrency``
     threads sending ``load_tokens``-token prompts (``load_max_tokens`` out).
     """
 
