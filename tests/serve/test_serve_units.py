@@ -135,3 +135,26 @@ def test_multibyte_characters_are_never_split(tokenizer: Tokenizer) -> None:
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
     assert out.completion_tokens == len(tokenizer.encode(text))
+
+
+def test_room_ids_are_unique_and_a_collision_is_detected(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """I9: rooms come from `secrets`; a repeated draw is caught, counted and never reused."""
+    from kvfence.model.tiny import make_tiny_checkpoint
+    from kvfence.serve.app import create_app
+    from kvfence.serve.build import PoolSizes, build_local
+    from kvfence.serve.router import ROOM_ATTEMPTS
+
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("rooms") / "t")
+    parts = build_local(ckpt, kind="mirror", pools=PoolSizes(512, 512))
+    app = create_app(parts.pipeline, parts.loaded.tokenizer, parts.config, TenantRegistry.dev())
+    router = app.state.router
+    rooms = {router.new_room("default") for _ in range(1000)}
+    assert len(rooms) == 1000 and all(len(r) == 32 for r in rooms)
+    # Force the generator to repeat itself: the router must refuse, not share a room.
+    monkeypatch.setattr("kvfence.serve.router.secrets.token_hex", lambda n: next(iter(rooms)))
+    with pytest.raises(ApiError) as e:
+        router.new_room("default")
+    assert e.value.status == 500 and e.value.code == "room_collision"
+    assert router.counters.room_collisions == ROOM_ATTEMPTS

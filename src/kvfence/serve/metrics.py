@@ -97,6 +97,11 @@ class _Collector(Collector):
             s.isolation_violations + c.isolation_violations,
         )
         yield counter(
+            "kvfence_room_collisions",
+            "Server-made room ids drawn twice and redrawn (I9)",
+            c.room_collisions,
+        )
+        yield counter(
             "kvfence_transfer_mismatches",
             "Transfers that did not match their reservation (must stay 0)",
             s.transfer_mismatches,
