@@ -182,6 +182,10 @@ class WorkerStatus:
     isolation_violations: int = 0
     transfer_mismatches: int = 0
     transfer_failures: int = 0
+    # "ok" when the worker was quiet and its ledger passed check_integrity(); the
+    # AssertionError text when it did not; "" when busy (not checked this time).
+    integrity: str = ""
+    refused_messages: int = 0  # malformed or unexpected control messages the inbox refused
     version: int = PROTOCOL_VERSION
 
 

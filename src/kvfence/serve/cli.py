@@ -24,6 +24,7 @@ from kvfence.model.tiny import default_checkpoint_dir
 from kvfence.serve.app import create_app
 from kvfence.serve.build import PoolSizes, build_local
 from kvfence.serve.config import decide_capacity
+from kvfence.serve.pd.cli import pd_main
 from kvfence.serve.tenants import TenantFileError, TenantRegistry
 from kvfence.serve.thread import bind, serve_forever, url_of
 
@@ -113,6 +114,31 @@ def _is_loopback(host: str) -> bool:
 )
 @click.option("--default-max-tokens", type=click.IntRange(1), default=16, show_default=True)
 @click.option("--log-level", default="warning", show_default=True)
+@click.option(
+    "--disaggregated",
+    is_flag=True,
+    help="router + prefill + decode workers as separate processes on loopback",
+)
+@click.option("--prefill", "n_prefill", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--decode", "n_decode", type=click.IntRange(1), default=1, show_default=True)
+@click.option(
+    "--transport",
+    type=click.Choice(["tcp", "shm"]),
+    default="tcp",
+    show_default=True,
+    help="KV transport between prefill and decode processes",
+)
+@click.option(
+    "--role",
+    type=click.Choice(["router", "prefill", "decode"]),
+    default=None,
+    help="run one role (multi-host); give the addresses of the others",
+)
+@click.option("--inbox", default=None, help="this role's control address, e.g. tcp://10.0.0.2:7001")
+@click.option("--router-addr", default=None, help="workers: the router's control address")
+@click.option("--prefill-addr", multiple=True, help="router: a prefill worker's control address")
+@click.option("--decode-addr", multiple=True, help="router: a decode worker's control address")
+@click.option("--kv-host", default="127.0.0.1", show_default=True, help="decode: KV listen address")
 def serve(
     model_dir: Path | None,
     model_kind: str,
@@ -132,6 +158,16 @@ def serve(
     lab_faults: tuple[str, ...],
     default_max_tokens: int,
     log_level: str,
+    disaggregated: bool,
+    n_prefill: int,
+    n_decode: int,
+    transport: str,
+    role: str | None,
+    inbox: str | None,
+    router_addr: str | None,
+    prefill_addr: tuple[str, ...],
+    decode_addr: tuple[str, ...],
+    kv_host: str,
 ) -> None:
     """Serve a model over the OpenAI API, with tenant isolation (exit 1: capacity gate failed)."""
     try:
@@ -144,6 +180,9 @@ def serve(
     if model_dir is None:
         click.echo("using the embedded tiny checkpoint (made on first use)...", err=True)
         model_dir = default_checkpoint_dir()
+    if disaggregated or role is not None:
+        params = click.get_current_context().params
+        sys.exit(pd_main(params, faults, tenants, model_dir, _announce))
     try:
         parts = build_local(
             model_dir,

@@ -1,0 +1,241 @@
+"""Disaggregated serving on real processes over loopback: same answers, isolation, failures."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import zmq
+from pd_helpers import TENANTS, cluster
+
+from kvfence.model.tokenizer import Tokenizer
+from kvfence.serve.app import create_app
+from kvfence.serve.build import PoolSizes, build_local
+from kvfence.serve.tenants import TenantRegistry
+from kvfence.serve.thread import ServerThread
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The quick brown fox", "Tenant isolation holds by construction.", "KV pages " * 20, "a"]
+
+
+def _single_process_texts(checkpoint: Path) -> list[str]:
+    parts = build_local(
+        checkpoint, kind="llama", pools=PoolSizes(prefill_pages=512, decode_pages=512)
+    )
+    tenants = TenantRegistry.generate(("a",))
+    app = create_app(parts.pipeline, parts.loaded.tokenizer, parts.config, tenants)
+    parts.pipeline.start()
+    try:
+        with ServerThread(app) as srv:
+            client = openai.OpenAI(
+                base_url=f"{srv.url}/v1", api_key=tenants.tenants[0].keys[0], max_retries=0
+            )
+            return [_complete(client, checkpoint.name, p) for p in PROMPTS]
+    finally:
+        parts.pipeline.stop()
+
+
+def _complete(client: openai.OpenAI, model: str, prompt: str) -> str:
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+    assert r.usage is not None and r.usage.completion_tokens == 12
+    return r.choices[0].text
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_disaggregated_equals_single_process(pd_checkpoint: Path, transport: str) -> None:
+    expected = _single_process_texts(pd_checkpoint)
+    with cluster(pd_checkpoint, kind="llama", transport=transport) as c:
+        got = [_complete(c.client(), c.model, p) for p in PROMPTS]
+        info = c.info()
+        assert info["disaggregated"] is True and info["transport"] == transport
+        assert {p["role"] for p in info["pools"]} == {
+            "prefill",
+            "decode",
+        }  # read from the live workers
+        assert set(c.wait_quiet().values()) == {"ok"}
+    assert got == expected
+
+
+def test_tenants_get_their_own_echo_across_processes(pd_checkpoint: Path) -> None:
+    """16 concurrent streams from 4 tenants on the mirror model: each echoes exactly its own prompt."""
+    tokenizer = Tokenizer.from_dir(pd_checkpoint)
+    with cluster(pd_checkpoint, kind="mirror", n_decode=2) as c:
+
+        def run(i: int) -> tuple[str, str]:
+            tenant = TENANTS[i % 4]
+            prompt = f"tenant {tenant} request {i:02d} secret-{i * 7919:05d} "
+            stream = c.client(tenant).completions.create(
+                model=c.model,
+                prompt=prompt,
+                max_tokens=len(tokenizer.encode(prompt)),
+                temperature=0,
+                stream=True,
+            )
+            return prompt, "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(run, range(16)))
+        for prompt, text in results:
+            assert text == prompt
+        assert set(c.wait_quiet().values()) == {"ok"}
+        assert c.info()["pools"]  # still serving
+
+
+def test_decode_death_fails_its_requests_only(pd_checkpoint: Path) -> None:
+    with cluster(pd_checkpoint, kind="llama", n_decode=2) as c:
+        client = c.client(timeout=600)
+
+        def long_request(i: int) -> str:
+            try:
+                r = client.completions.create(
+                    model=c.model,
+                    prompt=f"request {i}",
+                    max_tokens=1500,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                )
+                return f"ok:{r.usage.completion_tokens if r.usage else 0}"
+            except openai.APIStatusError as e:
+                return f"error:{e.status_code}"
+
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(long_request, i) for i in range(4)]
+            decode0 = c.inboxes["decode-0"]
+            end = time.monotonic() + 120
+            while time.monotonic() < end:  # kill it while it is generating, not before
+                if any(s == ("decode", decode0) for s in c.backend.stages().values()):
+                    break
+                time.sleep(0.01)
+            c.signal("decode-0", signal.SIGKILL)
+            outcomes = [f.result(timeout=180) for f in futures]
+        assert any(o.startswith("error:503") for o in outcomes), (
+            outcomes
+        )  # decode-0's requests fail, loudly
+        assert any(o == "ok:1500" for o in outcomes), outcomes  # decode-1's complete in full
+        assert not any(
+            o.startswith("ok:") and o != "ok:1500" for o in outcomes
+        )  # never a short 200
+        # New requests avoid the dead worker.
+        assert _complete(client, c.model, "after the crash")
+        reports = c.wait_quiet()
+        assert set(reports.values()) == {"ok"} and c.inboxes["decode-0"] not in reports
+
+
+def test_prefill_frozen_then_dead_never_lands_late(pd_checkpoint: Path) -> None:
+    """A prefill worker stops mid-request: the request fails with an error and decode's pages
+    are released only once no transfer can land (I7); when it wakes, its late transfer is refused."""
+    with cluster(pd_checkpoint, kind="mirror", n_prefill=2) as c:
+        c.signal("prefill-0", signal.SIGSTOP)
+        client = c.client()
+        outcomes = []
+        for i in range(2):  # round robin: one of these goes to the frozen worker
+            try:
+                r = client.completions.create(
+                    model=c.model, prompt=f"frozen {i} " * 8, max_tokens=4, temperature=0
+                )
+                outcomes.append(r.choices[0].text)
+            except openai.APIStatusError as e:
+                outcomes.append(f"error:{e.status_code}:{e.message}")
+        assert sum(o.startswith("error:503") for o in outcomes) == 1, outcomes
+        assert sum(o.startswith("frozen") for o in outcomes) == 1, outcomes
+        c.signal(
+            "prefill-0", signal.SIGCONT
+        )  # it wakes and tries to send KV into a cancelled reservation
+        for i in range(4):
+            assert _complete(client, c.model, f"after {i}")
+        decode = c.backend.worker_status(c.inboxes["decode-0"])
+        assert decode is not None and decode.isolation_violations == 0
+        assert set(c.wait_quiet().values()) == {"ok"}
+
+
+def test_malformed_control_message_is_refused_not_fatal(pd_checkpoint: Path) -> None:
+    with cluster(pd_checkpoint, kind="mirror") as c:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        sock = ctx.socket(zmq.PUSH)
+        sock.connect(c.inboxes["decode-0"])
+        for frame in (
+            b"not json",
+            b'{"type":"Bootstrap","body":{"room":1}}',
+            b'{"type":"Nope","body":{}}',
+        ):
+            sock.send(frame)
+        sock.close(linger=1000)
+        ctx.term()
+        assert _complete(c.client(), c.model, "still serving") == "still serving"[:12]
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            status = c.backend.worker_status(c.inboxes["decode-0"])
+            if status is not None and status.refused_messages >= 3:
+                break
+            time.sleep(0.1)
+        assert status is not None and status.refused_messages == 3
+
+
+def test_serve_disaggregated_command(pd_checkpoint: Path) -> None:
+    """`kvfence serve --disaggregated`: children on loopback, a real request, Ctrl-C stops them all."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvfence",
+            "serve",
+            "--disaggregated",
+            "--model",
+            str(pd_checkpoint),
+            "--model-kind",
+            "mirror",
+            "--kv-pages",
+            "256",
+            "--transport",
+            "shm",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        url = key = None
+        end = time.monotonic() + 240
+        while time.monotonic() < end and (url is None or key is None):
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            url = url or (m.group(1) if (m := re.search(r"at (http://\S+)", line)) else None)
+            key = key or (m.group(1) if (m := re.search(r"key (sk-kvf-\w+)", line)) else None)
+        assert url and key, "".join(lines)
+        r = httpx.post(
+            f"{url}/v1/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={
+                "model": pd_checkpoint.name,
+                "prompt": "hello pd",
+                "max_tokens": 8,
+                "temperature": 0,
+            },
+            timeout=60,
+        )
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "hello pd"
+        info = httpx.get(
+            f"{url}/server_info", headers={"Authorization": f"Bearer {key}"}, timeout=30
+        ).json()
+        assert info["disaggregated"] and info["transport"] == "shm"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert "stopping" in out
+    assert (
+        subprocess.run(["pgrep", "-f", f"--model {pd_checkpoint}"], capture_output=True).returncode
+        == 1
+    )
