@@ -4,7 +4,9 @@ A model never owns KV memory and never sees a request: it gets a flat batch of
 new tokens, where to write their K/V in the pool (`slot_mapping`), and the
 page tables it may read (`pages`). It verifies the page tables against the
 ledger once per step before any gather (I1) — `pool.verify(batch.pages)` —
-and then reads K/V only through those tables.
+and then reads K/V only through those tables. Before verifying it checks that
+every slot lies in its own row's table and records the slots it fills with
+`pool.mark_written` (`model.attention.begin_step`); callers need not.
 """
 
 from __future__ import annotations

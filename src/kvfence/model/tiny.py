@@ -293,7 +293,9 @@ def make_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, preset: str = "t
             "eos_token_id": tokenizer.token_to_id(EOS_TOKEN),
         },
     )
-    save_file(_weights(p, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    weights = out / "model.safetensors"
+    save_file(_weights(p, seed), str(weights), metadata={"format": "pt"})
+    weights.chmod(0o644)  # like the other files: peers may read it from another account
     return out
 
 
