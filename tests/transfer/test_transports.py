@@ -90,16 +90,24 @@ def test_every_transfer_fault_is_refused_and_the_receiver_keeps_working(transpor
         new = decode.reserve("stale")
         assert {h.index for h in new.handles} == {h.index for h in old.handles}
         jobs = [job(old, seed=99)]
+        # In-place senders checksum while they copy, so a source byte flipped before
+        # the copy is simply what was sent; their flip is memory corruption after landing.
+        flip_after_landing = transport != "tcp"
         for i, fault in enumerate(f for f in FAULTS if f != "stale"):
             res = decode.reserve(fault)
             if fault == "placeholder":
                 jobs.append(job(res, seed=i, num_tokens=1))
+            elif fault == "flip" and flip_after_landing:
+                jobs.append(job(res, seed=i))
             else:
                 jobs.append(job(res, seed=i, tamper=fault))
         good = decode.reserve("good-after-faults")
         jobs.append(job(good, seed=42))
         with prefill(decode, jobs):
             decode.wait_done(*FAULTS, good.room)
+        if flip_after_landing:
+            page = decode.reservations["flip"].handles[1].index
+            decode.pool.k.view(torch.uint8)[0, page].view(-1)[5] ^= 0x10
         for room, field in FAULTS.items():
             with pytest.raises(TransferMismatch) as err:
                 decode.landed(room).accept(decode.reservations[room], decode.pool)

@@ -60,6 +60,7 @@ from kvfence.engine.messages import PageRef, TransferDone, TransferManifest
 from kvfence.engine.pool import KVPool, PageHandle
 from kvfence.engine.reconcile import (
     Reservation,
+    StreamChecksum,
     coalesce,
     payload_checksum,
     payload_segments,
@@ -155,6 +156,9 @@ class Outgoing:
     dst_offsets: np.ndarray
     lengths: np.ndarray
     positions: np.ndarray
+    # The source runs as prepared (kind, offset, length): what the checksum covers,
+    # whatever happens to the arrays above before transmission.
+    canonical: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def payload_bytes(self) -> int:
@@ -192,8 +196,14 @@ def prepare_outgoing(
     dest: Sequence[PageRef],
     fields: ManifestFields,
     dest_shape: PoolShape,
+    *,
+    checksum_now: bool = True,
 ) -> Outgoing:
-    """Lay out a transfer and write its manifest (the checksum is over the source pages)."""
+    """Lay out a transfer and write its manifest (the checksum is over the source pages).
+
+    With `checksum_now=False` the manifest's checksum is left empty: the sender
+    fills it while it copies (`copy_runs_into`), saving a pass over the payload.
+    """
     if src_pool.geometry != dest_shape.geometry:
         raise ValueError(
             f"sender geometry {src_pool.geometry} != receiver geometry {dest_shape.geometry}"
@@ -212,12 +222,13 @@ def prepare_outgoing(
         num_tokens=num_tokens,
         num_pages=num_pages,
         dest_pages=tuple(dest),
-        checksum=payload_checksum(src_pool, src_handles, num_tokens),
+        checksum=payload_checksum(src_pool, src_handles, num_tokens) if checksum_now else "",
         first_token=fields.first_token,
         first_logprobs=fields.first_logprobs,
         cached_tokens=fields.cached_tokens,
     )
-    return Outgoing(manifest, src_pool, kinds, src_off, dst_off, lengths, positions)
+    canonical = coalesce(kinds, src_off, lengths)
+    return Outgoing(manifest, src_pool, kinds, src_off, dst_off, lengths, positions, canonical)
 
 
 def _dest_offsets(
@@ -390,6 +401,9 @@ class KVReceiver(ABC):
 class KVSender(ABC):
     """Prefill's half, connected to one receiver."""
 
+    # True where the sender checksums while it copies and sends the checksum last.
+    checksum_while_copying: ClassVar[bool] = False
+
     @property
     @abstractmethod
     def dest_shape(self) -> PoolShape:
@@ -405,7 +419,14 @@ class KVSender(ABC):
         fields: ManifestFields,
     ) -> Outgoing:
         return prepare_outgoing(
-            room, src_pool, src_handles, num_tokens, dest, fields, self.dest_shape
+            room,
+            src_pool,
+            src_handles,
+            num_tokens,
+            dest,
+            fields,
+            self.dest_shape,
+            checksum_now=not self.checksum_while_copying,
         )
 
     def send(
@@ -440,7 +461,11 @@ class InPlaceSender(KVSender):
     Split in two so the grant is explicit: `begin` asks the receiver for the
     room (raises `TransferRefused`), `complete` writes the pages and says so.
     Between the two the transfer is in flight and the pages must not be reused (I7).
+    The manifest's checksum is filled in by `complete` (computed while copying)
+    and reaches the receiver with the end of the transfer.
     """
+
+    checksum_while_copying = True
 
     def transmit(self, out: Outgoing) -> None:
         self.begin(out)
@@ -471,14 +496,55 @@ class KVTransport(ABC):
         """Connect to the receiver at `address`."""
 
 
+COPY_CHUNK = 1 << 20  # copy then checksum a MiB at a time, while it is still in cache
+
+
 def copy_runs_into(
     out: Outgoing, dst: tuple[memoryview, memoryview], src: tuple[memoryview, memoryview]
-) -> None:
-    """Write a prepared transfer's bytes straight into destination memory (in-place backends)."""
+) -> str:
+    """Write a prepared transfer straight into destination memory; return the source checksum.
+
+    The checksum covers the canonical source runs (what the manifest promises),
+    computed chunk by chunk right after each chunk is copied, so it costs no
+    extra pass over memory when the copy follows the canonical order.
+    """
     dst_np = (np.frombuffer(dst[0], np.uint8), np.frombuffer(dst[1], np.uint8))
     src_np = (np.frombuffer(src[0], np.uint8), np.frombuffer(src[1], np.uint8))
+    cursor = _ChecksumCursor(out.canonical, src)
     for kind, s, d, n in out.copy_runs():
-        np.copyto(dst_np[kind][d : d + n], src_np[kind][s : s + n])
+        for start in range(0, n, COPY_CHUNK):
+            m = min(COPY_CHUNK, n - start)
+            np.copyto(
+                dst_np[kind][d + start : d + start + m], src_np[kind][s + start : s + start + m]
+            )
+            cursor.advance(m)
+    return cursor.finish()
+
+
+class _ChecksumCursor:
+    """Checksums canonical source runs, a given number of bytes at a time."""
+
+    def __init__(
+        self, runs: list[tuple[int, int, int]], src: tuple[memoryview, memoryview]
+    ) -> None:
+        self._runs = deque(runs)
+        self._src = src
+        self._h = StreamChecksum()
+
+    def advance(self, nbytes: int) -> None:
+        while nbytes > 0 and self._runs:
+            kind, off, n = self._runs[0]
+            take = min(n, nbytes)
+            self._h.update(self._src[kind][off : off + take])
+            nbytes -= take
+            if take == n:
+                self._runs.popleft()
+            else:
+                self._runs[0] = (kind, off + take, n - take)
+
+    def finish(self) -> str:
+        self.advance(sum(n for _, _, n in self._runs))
+        return self._h.hexdigest()
 
 
 def receive_layout(pool: KVPool, manifest: TransferManifest) -> list[tuple[int, int, int]]:

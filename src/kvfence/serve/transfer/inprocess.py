@@ -7,6 +7,8 @@ across processes, so single-process mode exercises I3 and I7 too.
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvfence.engine.pool import KVPool
 from kvfence.engine.reconcile import byte_views
 from kvfence.serve.transfer.base import (
@@ -48,7 +50,8 @@ class InProcessSender(InPlaceSender):
             raise TransferRefused(why)
 
     def complete(self, out: Outgoing) -> None:
-        copy_runs_into(out, byte_views(self._receiver.pool), byte_views(out.src_pool))
+        checksum = copy_runs_into(out, byte_views(self._receiver.pool), byte_views(out.src_pool))
+        out.manifest = dataclasses.replace(out.manifest, checksum=checksum)
         self._receiver.book.landed(out.manifest, None)
 
     def close(self) -> None:

@@ -8,7 +8,8 @@ learns the file and pool shape from the hello, and maps it. Per transfer:
   decode -> G | D(why)    granted only for an expected room whose reserved
                           handles are exactly the manifest's destination pages
   sender writes the pages directly into the mapping
-  sender -> E(room)       done: nothing more will land for this room
+  sender -> E(room, sum)  done: nothing more will land; the checksum of what it
+                          wrote, computed while copying
 
 Decode learns what landed only from E; it then checksums its own pages
 (`Landed.checksum is None`). A sender that dies between G and E is detected
@@ -17,6 +18,7 @@ by the closed socket and its rooms are confirmed ended (I7).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -92,10 +94,11 @@ class ShmReceiver(ListeningReceiver):
             if kind == framing.BEGIN:
                 self._begin(conn, body, manifests, granted)
             elif kind == framing.END:
-                room = body.decode(errors="replace")
+                room, checksum = _parse_end(body)
                 if room not in manifests:
                     raise TransportClosed(f"end of room {room!r} that was never granted here")
-                self.book.landed(manifests.pop(room), None)
+                manifest = dataclasses.replace(manifests.pop(room), checksum=checksum)
+                self.book.landed(manifest, None)
                 granted.discard(room)
             else:
                 raise TransportClosed(f"unexpected control frame {kind!r}")
@@ -131,6 +134,18 @@ class ShmReceiver(ListeningReceiver):
             log.debug("shared KV file %s already removed", self.path)
 
 
+def _parse_end(body: bytes) -> tuple[str, str]:
+    """The END frame: the room and the checksum of what the sender wrote."""
+    try:
+        obj = json.loads(body)
+        room, checksum = obj["room"], obj["checksum"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise TransportClosed(f"malformed end-of-transfer frame: {e}") from None
+    if not isinstance(room, str) or not isinstance(checksum, str):
+        raise TransportClosed("malformed end-of-transfer frame: room and checksum are strings")
+    return room, checksum
+
+
 class ShmSender(InPlaceSender):
     def __init__(self, address: str) -> None:
         host, port = framing.parse_address(address, "shm")
@@ -158,8 +173,11 @@ class ShmSender(InPlaceSender):
             raise TransportClosed(f"expected a grant, got {kind!r}")
 
     def complete(self, out: Outgoing) -> None:
-        copy_runs_into(out, self._dest, byte_views(out.src_pool))
-        framing.send_frame(self._sock, framing.END, out.manifest.room.encode())
+        checksum = copy_runs_into(out, self._dest, byte_views(out.src_pool))
+        out.manifest = dataclasses.replace(out.manifest, checksum=checksum)
+        framing.send_json(
+            self._sock, framing.END, {"room": out.manifest.room, "checksum": checksum}
+        )
 
     def close(self) -> None:
         self._sock.close()
