@@ -131,6 +131,10 @@ def test_json_report_schema(audits: dict[str, Audited]) -> None:
         assert key in rep
     assert rep["verdict"] == "fail" and rep["exit_code"] == 1
     assert 0 < rep["requests_sent"] <= 600
+    assert rep["targets"][0]["requests_sent"] > 0  # detection + facts are counted too
+    assert rep["requests_sent"] == rep["targets"][0]["requests_sent"] + sum(
+        r["requests_sent"] for r in rep["results"]
+    )
     facts = rep["targets"][0]["facts"]
     assert facts["pool_tokens"]["value"] == 336
     assert facts["extra"]["lab_faults"]["value"].count(",") == 3  # the lab says it is a lab

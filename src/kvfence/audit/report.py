@@ -4,7 +4,7 @@ JSON schema "kvfence.audit/1" (additive changes only; a breaking change
 bumps the number):
   schema, tool{name, version}, started_at, duration_s, verdict, exit_code,
   counts{pass, fail, inconclusive, skipped}, requests_sent, settings{...},
-  checks[...], targets[{url, engine, detected_by, facts, error}],
+  checks[...], targets[{url, engine, detected_by, facts, error, requests_sent}],
   results[{check, target, verdict, summary, evidence, requests_sent,
            duration_s, plots[{kind, title, x_label, y_label, series, note}]}]
 

@@ -72,6 +72,7 @@ class TargetSummary:
     detected_by: str | None
     facts: dict[str, JSONValue] | None = None
     error: str | None = None
+    requests_sent: int = 0  # detection, facts and the counter snapshot (not any check's)
 
     def to_json(self) -> dict[str, JSONValue]:
         return {
@@ -80,6 +81,7 @@ class TargetSummary:
             "detected_by": self.detected_by,
             "facts": self.facts,
             "error": self.error,
+            "requests_sent": self.requests_sent,
         }
 
 
@@ -141,7 +143,9 @@ def run_audit(
             on_result(res)
 
     for url in urls:
+        sent0 = ctx.budget.sent
         summary, target = _resolve(url, engine, ctx)
+        summary.requests_sent = ctx.budget.sent - sent0
         summaries.append(summary)
         if target is None:
             for name in ordered:
@@ -186,6 +190,7 @@ def _audit_target(
     summary: TargetSummary,
     emit: Callable[[CheckResult], None],
 ) -> None:
+    sent0 = ctx.budget.sent
     try:
         summary.facts = target.facts(ctx.client(target, "a")).to_json()
         target.configure_client(ctx.client(target, "b"))
@@ -197,6 +202,7 @@ def _audit_target(
             counters.snapshot(ctx, target)
         except Exception as e:
             summary.error = f"counter snapshot failed: {type(e).__name__}: {e}"
+    summary.requests_sent += ctx.budget.sent - sent0
     for i, name in enumerate(ordered):
         ctx.progress(f"{target.url}: {name}", i / len(ordered))
         check = counters if name == "counters" else load_check(name)
