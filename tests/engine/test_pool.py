@@ -474,3 +474,13 @@ def test_pool_uses_caller_storage_and_reports_capacity() -> None:
     assert pool.k is k and pool.v is v
     assert pool.capacity_tokens == 3 * PAGE
     assert pool.can_allocate(3) and not pool.can_allocate(4) and not pool.can_allocate(-1)
+
+
+def test_batch_rows_must_match_readers_namespaces_and_lengths() -> None:
+    pool = make_pool()
+    a, b = pool.register_owner("a"), pool.register_owner("b")
+    ha, hb = pool.allocate(a, 1), pool.allocate(b, 1)
+    with pytest.raises(ValueError, match="2 tables, 1 readers"):
+        BatchPages.build([ha, hb], [a], [FREE_OWNER, FREE_OWNER], [0, 0])
+    with pytest.raises(ValueError, match="1 lengths"):
+        BatchPages.build([ha, hb], [a, b], [FREE_OWNER, FREE_OWNER], [0])

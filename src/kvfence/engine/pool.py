@@ -99,8 +99,14 @@ class BatchPages:
         namespaces: Sequence[int],
         lengths: Sequence[int],
     ) -> BatchPages:
-        width = max((len(t) for t in tables), default=0)
         rows = len(tables)
+        if not len(readers) == len(namespaces) == len(lengths) == rows:
+            # Mismatched lists would broadcast one row's reader over the batch in verify (I1).
+            raise ValueError(
+                f"BatchPages needs one reader, namespace and length per table: {rows} tables, "
+                f"{len(readers)} readers, {len(namespaces)} namespaces, {len(lengths)} lengths"
+            )
+        width = max((len(t) for t in tables), default=0)
         pad = (0, 0, 0)
         # One tensor construction for the whole batch: this runs on every step.
         data = [
