@@ -6,7 +6,8 @@ caller's thread, and times every decode step with all 16 rows running. The
 baseline, measured in the same run, is the model's own forward call inside
 those steps (batch already built). Prints one line:
 
-  engine_step rows=16 step_ms=... forward_ms=... overhead_ms=... overhead_pct=...
+  engine_step rows=16 step_ms=... forward_ms=... overhead_ms=... (batch_build_ms=...
+  scheduler+sampler_ms=...) overhead_pct=...
 
 Usage: python bench/engine_step.py [--preset tiny|smollm] [--threads N]
 """
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+import kvfence.engine.runner as runner_module
 from kvfence.engine.backend import GenerateWork
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.messages import SamplingParams
@@ -79,15 +81,27 @@ def main() -> None:
             steps.append(time.perf_counter() - t0)
             forwards.append(timed.last_s)
 
+    builds: list[float] = []
+    real_build = runner_module.build_forward_batch
+
+    def timed_build(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        out = real_build(*a, **kw)
+        builds.append(time.perf_counter() - t0)
+        return out
+
+    runner_module.build_forward_batch = timed_build  # type: ignore[assignment]
     pipe.decode.step = timed_step  # type: ignore[method-assign]
     pipe.drive()
     pipe.check_integrity()
     step_ms = statistics.median(steps) * 1e3
     fwd_ms = statistics.median(forwards) * 1e3
     over = step_ms - fwd_ms
+    build_ms = statistics.median(builds) * 1e3
     print(
         f"engine_step preset={args.preset} rows={args.rows} steps={len(steps)} "
         f"step_ms={step_ms:.3f} forward_ms={fwd_ms:.3f} overhead_ms={over:.3f} "
+        f"(batch_build_ms={build_ms:.3f} scheduler+sampler_ms={over - build_ms:.3f}) "
         f"overhead_pct={100 * over / step_ms:.1f} forward/step={fwd_ms / step_ms:.3f}"
     )
 
