@@ -249,3 +249,11 @@ def test_abort_defers_release_until_the_transfer_window_closes(models: Models) -
 def test_early_free_switch_reuses_pages_a_transfer_may_still_hit(models: Models) -> None:
     pipe = _reserved_then_aborted(models, FaultSet.of(Fault.EARLY_FREE))
     assert pipe.decode_pool.num_pending == 0 and pipe.decode_pool.num_free == 128
+
+
+def test_decode_refuses_a_bootstrap_it_cannot_honour(models: Models) -> None:
+    pipe = models.pipeline()
+    bad = pipe.decode.bootstrap(Bootstrap("r", "t", num_prompt_tokens=0, max_tokens=4))
+    assert not isinstance(bad, BootstrapReady) and bad is not None
+    assert bad.error.status == 400
+    assert_quiet_and_empty(pipe)

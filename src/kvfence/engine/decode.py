@@ -164,6 +164,15 @@ class DecodeEngine:
             error = RequestError(409, "conflict", f"room {boot.room} is already in use (I9)")
             self.counters.rejected += 1
             return Failure(boot.room, _info(error))
+        if boot.num_prompt_tokens < 1 or boot.max_tokens < 1:
+            error = RequestError(
+                400,
+                "invalid_request_error",
+                f"a request needs >= 1 prompt token and max_tokens >= 1, got "
+                f"{boot.num_prompt_tokens} and {boot.max_tokens}",
+            )
+            self.counters.rejected += 1
+            return Failure(boot.room, _info(error))
         cap = self.pool.capacity_tokens
         if boot.num_prompt_tokens > cap:
             error = RequestError(
