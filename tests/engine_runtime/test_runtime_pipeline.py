@@ -9,7 +9,7 @@ from runtime_helpers import PAGE, Models, assert_quiet_and_empty, greedy, run, s
 
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.faults import Fault, FaultSet
-from kvfence.engine.messages import Bootstrap, BootstrapReady, SamplingParams
+from kvfence.engine.messages import Bootstrap, BootstrapReady, PrefillWork, SamplingParams
 from kvfence.engine.pipeline import CollectingSink, LocalPipeline
 from kvfence.engine.request import RequestState
 
@@ -257,3 +257,17 @@ def test_decode_refuses_a_bootstrap_it_cannot_honour(models: Models) -> None:
     assert not isinstance(bad, BootstrapReady) and bad is not None
     assert bad.error.status == 400
     assert_quiet_and_empty(pipe)
+
+
+def test_prefill_keeps_pages_until_the_transport_confirms(models: Models) -> None:
+    pipe = models.pipeline(prefix_cache=False)
+    prefill = pipe.prefill
+    prefill.submit(PrefillWork("r", "t", tuple(range(5, 45)), greedy(4), (), "t"))
+    prefill.step()
+    (transfer,) = prefill.drain().transfers
+    assert len(transfer.src_pages) == 3 and pipe.prefill_pool.num_used == 3
+    prefill.abort("r", "client gone")  # the KV may be on the wire: nothing is freed yet (I7)
+    assert pipe.prefill_pool.num_used == 3
+    prefill.transfer_done("r", ok=False)
+    assert pipe.prefill_pool.num_free == pipe.prefill_pool.num_pages
+    pipe.check_integrity()
