@@ -20,7 +20,7 @@ from kvfence.model.config import ModelConfig
 
 _DIGITS = 3
 _BASE = 256
-MIRROR_LOGIT = 30.0  # softmax mass on the echoed id is 1 - V * e^-30: greedy and sampling agree
+MIRROR_LOGIT = 100.0  # all the mass on the echoed id, even sampled at high temperature
 
 
 def encode_ids(ids: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.Tensor:
