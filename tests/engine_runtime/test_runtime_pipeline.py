@@ -53,13 +53,13 @@ def test_threaded_pipeline_serves_concurrent_submits(models: Models) -> None:
 def test_chunked_prefill_equals_unchunked_on_llama(models: Models) -> None:
     ps = prompts(3, seed=2, lo=60, hi=140)
     outs = []
-    for chunk in (None, 16, 24):
+    for chunk in (None, 24):  # 24: chunk boundaries fall mid-page
         pipe = models.pipeline("llama", chunk_size=chunk, max_batch_tokens=256)
         results = run(pipe, [work(f"r{i}", "t", p, greedy(8)) for i, p in enumerate(ps)])
         outs.append([r.token_ids for r in results])
         assert all(r.error is None for r in results)
         assert_quiet_and_empty(pipe)
-    assert outs[0] == outs[1] == outs[2]
+    assert outs[0] == outs[1]
     assert len(set(map(tuple, outs[0]))) == 3  # the outputs are not trivially alike
 
 

@@ -62,9 +62,9 @@ def test_temperature_sampling_follows_the_distribution() -> None:
     x = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     s = Sampler(seed=5)
     counts = torch.zeros(4)
-    for _ in range(3000):
+    for _ in range(1500):
         counts[s.sample(x, [SampleRow(SamplingParams(temperature=1.0), 0)]).tokens[0]] += 1
-    assert torch.allclose(counts / 3000, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.04)
+    assert torch.allclose(counts / 1500, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.05)
 
 
 def test_stop_reason() -> None:
