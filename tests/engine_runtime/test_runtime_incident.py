@@ -94,7 +94,7 @@ def forged_run(models: Models, faults: FaultSet) -> tuple[LocalPipeline, object,
     pipe = models.pipeline(faults=faults)
     honest = pipe.kv_copy
     (a,) = run(pipe, [work("a", "tenant-a", SENTINEL, greedy(4))])
-    pipe.kv_copy = ShortCopy()
+    pipe.kv_copy = ShortCopy()  # the wire turns bad between two requests
     (b,) = run(pipe, [work("b", "tenant-b", list(range(100, 164)), greedy(30))])
     pipe.kv_copy = honest
     assert a.error is None

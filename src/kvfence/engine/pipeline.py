@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,7 +25,7 @@ import torch
 
 from kvfence.engine.backend import BackendStats, GenerateWork, PoolInfo, Sink
 from kvfence.engine.config import EngineConfig
-from kvfence.engine.decode import DecodeEngine
+from kvfence.engine.decode import DecodeEngine, InboundWindow
 from kvfence.engine.faults import Fault, FaultSet
 from kvfence.engine.geometry import KVGeometry
 from kvfence.engine.messages import (
@@ -51,16 +51,26 @@ _IDLE_POLL_S = 0.01  # re-check after a step that made no progress (e.g. waiting
 class KVCopy(Protocol):
     """Moves one request's KV from prefill's pool into decode's reserved pages.
 
-    Must write only into pages whose inbound window is open, close the window
-    when nothing more will land (`decode.inbound_closed`), then hand decode
-    the manifest (`decode.on_transfer`). Returns False if it refused to write.
+    `window`: the decode-side inbound window (I7) the transport keeps, or None
+    to let decode keep it in its pool ledger (then the transport closes it with
+    `decode.inbound_closed`). `send` writes only into pages whose window is
+    open and returns False if it refused. `poll` hands decode whatever landed
+    or ended since the last call (`decode.on_transfer`, `decode.abort`) and
+    returns whether anything did. A `serve.transfer` backend fits behind this
+    with a small adapter built on decode's pool (`LocalPipeline(kv_copy=...)`).
     """
 
+    window: InboundWindow | None
+
     def send(self, transfer: OutboundTransfer, src: KVPool, decode: DecodeEngine) -> bool: ...
+
+    def poll(self, decode: DecodeEngine) -> bool: ...
 
 
 class InProcessCopy:
     """Page-to-page tensor copy between two pools in one process (the embedded default)."""
+
+    window: InboundWindow | None = None
 
     def send(self, transfer: OutboundTransfer, src: KVPool, decode: DecodeEngine) -> bool:
         if transfer.room not in decode.local_inbound.open:
@@ -75,6 +85,9 @@ class InProcessCopy:
         decode.inbound_closed(transfer.room)  # I7: nothing more will land
         decode.on_transfer(manifest, None)  # decode checksums what landed in its own pages
         return True
+
+    def poll(self, decode: DecodeEngine) -> bool:
+        return False  # `send` delivers synchronously
 
 
 @dataclass(slots=True)
@@ -123,7 +136,7 @@ class LocalPipeline:
         config: EngineConfig,
         faults: FaultSet | None = None,
         *,
-        kv_copy: KVCopy | None = None,
+        kv_copy: Callable[[KVPool], KVCopy] | None = None,
         device: str | torch.device = "cpu",
     ) -> None:
         if geometry.page_size != config.page_size:
@@ -138,9 +151,11 @@ class LocalPipeline:
         self.decode_pool = KVPool(
             geometry, config.decode_pages, scrub=config.scrub, faults=self.faults, device=device
         )
+        self.kv_copy: KVCopy = kv_copy(self.decode_pool) if kv_copy else InProcessCopy()
         self.prefill = PrefillEngine(model, self.prefill_pool, config, self.faults)
-        self.decode = DecodeEngine(model, self.decode_pool, config, self.faults)
-        self.kv_copy: KVCopy = kv_copy or InProcessCopy()
+        self.decode = DecodeEngine(
+            model, self.decode_pool, config, self.faults, inbound=self.kv_copy.window
+        )
         self._cond = threading.Condition()
         self._inbox: list[_Submit | _AbortCmd] = []
         self._sinks: dict[str, Sink] = {}  # rooms not yet ended (I6: each ends once)
@@ -355,7 +370,7 @@ class LocalPipeline:
             if not sent:
                 self._transfer_failures += 1
             self.prefill.transfer_done(transfer.room, ok=sent)  # I7: only now may prefill free
-        return bool(out)
+        return self.kv_copy.poll(self.decode) or bool(out)
 
     def _route_decode(self) -> bool:
         out = self.decode.drain()
