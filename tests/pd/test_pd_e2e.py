@@ -99,7 +99,7 @@ def test_decode_death_fails_its_requests_only(pd_checkpoint: Path) -> None:
                 r = client.completions.create(
                     model=c.model,
                     prompt=f"request {i}",
-                    max_tokens=1500,
+                    max_tokens=400,
                     temperature=0,
                     extra_body={"ignore_eos": True},
                 )
@@ -116,13 +116,13 @@ def test_decode_death_fails_its_requests_only(pd_checkpoint: Path) -> None:
                     break
                 time.sleep(0.01)
             c.signal("decode-0", signal.SIGKILL)
-            outcomes = [f.result(timeout=180) for f in futures]
+            outcomes = [f.result(timeout=500) for f in futures]
         assert any(o.startswith("error:503") for o in outcomes), (
             outcomes
         )  # decode-0's requests fail, loudly
-        assert any(o == "ok:1500" for o in outcomes), outcomes  # decode-1's complete in full
+        assert any(o == "ok:400" for o in outcomes), outcomes  # decode-1's complete in full
         assert not any(
-            o.startswith("ok:") and o != "ok:1500" for o in outcomes
+            o.startswith("ok:") and o != "ok:400" for o in outcomes
         )  # never a short 200
         # New requests avoid the dead worker.
         assert _complete(client, c.model, "after the crash")
