@@ -131,6 +131,30 @@ def _integrity(pool: KVPool, busy: bool, outstanding: Callable[[], list[PageHand
     return "ok"
 
 
+def _status(
+    role: str,
+    inbox: Inbox,
+    kv_address: str,
+    pool: KVPool,
+    busy: bool,
+    outstanding: Callable[[], list[PageHandle]],
+    **counters: int,
+) -> WorkerStatus:
+    return WorkerStatus(
+        role=role,
+        worker=inbox.addr,
+        kv_address=kv_address,
+        pool_tokens=pool.capacity_tokens,
+        page_size=pool.page_size,
+        pages_used=pool.num_used,
+        pages_free=pool.num_free,
+        pages_pending=pool.num_pending,
+        integrity=_integrity(pool, busy, outstanding),
+        refused_messages=inbox.refused.count,
+        **counters,
+    )
+
+
 def _fail_all(rooms: list[str], send: Callable[[Message], None], why: str) -> None:
     for room in rooms:
         send(Failure(room, ErrorInfo(500, "server_error", why)))
@@ -153,27 +177,13 @@ def run_prefill(spec: WorkerSpec) -> int:
 
     def status() -> WorkerStatus:
         c, cache = engine.counters, engine.cache
-        return WorkerStatus(
-            role="prefill",
-            worker=inbox.addr,
-            kv_address="",
-            pool_tokens=pool.capacity_tokens,
-            page_size=pool.page_size,
-            pages_used=pool.num_used,
-            pages_free=pool.num_free,
-            pages_pending=pool.num_pending,
-            rejected=c.rejected,
-            aborted=c.aborted,
-            failed=c.failed,
-            prefix_cache_queried_tokens=cache.queried_tokens,
-            prefix_cache_hit_tokens=cache.hit_tokens,
-            isolation_violations=c.isolation_violations,
-            transfer_failures=transfer_failures,
-            integrity=_integrity(
-                pool, engine.has_work or bool(dest_of), engine.outstanding_handles
-            ),
-            refused_messages=inbox.refused.count,
-        )
+        busy = engine.has_work or bool(dest_of)
+        return _status(
+            "prefill", inbox, "", pool, busy, engine.outstanding_handles,
+            rejected=c.rejected, aborted=c.aborted, failed=c.failed,
+            prefix_cache_queried_tokens=cache.queried_tokens, prefix_cache_hit_tokens=cache.hit_tokens,
+            isolation_violations=c.isolation_violations, transfer_failures=transfer_failures,
+        )  # fmt: skip
 
     def send_kv(t: OutboundTransfer) -> bool:
         addr = dest_of.pop(t.room, "")
@@ -251,28 +261,13 @@ def run_decode(spec: WorkerSpec) -> int:
 
     def status() -> WorkerStatus:
         c = engine.counters
-        return WorkerStatus(
-            role="decode",
-            worker=inbox.addr,
-            kv_address=receiver.address,
-            pool_tokens=pool.capacity_tokens,
-            page_size=pool.page_size,
-            pages_used=pool.num_used,
-            pages_free=pool.num_free,
-            pages_pending=pool.num_pending,
-            finished=c.finished,
-            rejected=c.rejected,
-            aborted=c.aborted,
-            failed=c.failed,
-            generation_tokens=c.generation_tokens,
-            isolation_violations=c.isolation_violations,
-            transfer_mismatches=c.transfer_mismatches,
-            transfer_failures=transfer_failures,
-            integrity=_integrity(
-                pool, engine.has_work or bool(engine.seqs), engine.outstanding_handles
-            ),
-            refused_messages=inbox.refused.count,
-        )
+        busy = engine.has_work or bool(engine.seqs)
+        return _status(
+            "decode", inbox, receiver.address, pool, busy, engine.outstanding_handles,
+            finished=c.finished, rejected=c.rejected, aborted=c.aborted, failed=c.failed,
+            generation_tokens=c.generation_tokens, isolation_violations=c.isolation_violations,
+            transfer_mismatches=c.transfer_mismatches, transfer_failures=transfer_failures,
+        )  # fmt: skip
 
     def awaiting_transfer(room: str) -> bool:
         seq = engine.seqs.get(room)
