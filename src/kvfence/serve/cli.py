@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import click
+import torch
 
 from kvfence.engine.faults import FaultSet
 from kvfence.engine.pool import ScrubPolicy
@@ -139,6 +140,13 @@ def _is_loopback(host: str) -> bool:
 @click.option("--prefill-addr", multiple=True, help="router: a prefill worker's control address")
 @click.option("--decode-addr", multiple=True, help="router: a decode worker's control address")
 @click.option("--kv-host", default="127.0.0.1", show_default=True, help="decode: KV listen address")
+@click.option(
+    "--torch-threads",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="intra-op threads for the model (0 = torch's default; --disaggregated splits the cores)",
+)
 def serve(
     model_dir: Path | None,
     model_kind: str,
@@ -168,6 +176,7 @@ def serve(
     prefill_addr: tuple[str, ...],
     decode_addr: tuple[str, ...],
     kv_host: str,
+    torch_threads: int,
 ) -> None:
     """Serve a model over the OpenAI API, with tenant isolation (exit 1: capacity gate failed)."""
     try:
@@ -180,6 +189,8 @@ def serve(
     if model_dir is None:
         click.echo("using the embedded tiny checkpoint (made on first use)...", err=True)
         model_dir = default_checkpoint_dir()
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
     if disaggregated or role is not None:
         params = click.get_current_context().params
         sys.exit(pd_main(params, faults, tenants, model_dir, _announce))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,10 @@ def pd_main(
             if params[name] is not None:
                 args += [_flag(name), str(params[name])]
         args += [_flag(n) for n in _SHARED_FLAGS if params[n]]
+        # Co-located workers share the cores: split them instead of oversubscribing.
+        workers = params["n_prefill"] + params["n_decode"]
+        threads = params["torch_threads"] or max(1, (os.cpu_count() or 1) // workers)
+        args += ["--torch-threads", str(threads)]
         for f in faults.names():
             args += ["--lab-fault", f]
         router_args = [x for n in _ROUTER_ONLY for x in (_flag(n), str(params[n]))]
