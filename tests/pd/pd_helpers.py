@@ -98,7 +98,7 @@ def cluster(
     for name, inbox in inboxes.items():
         argv = [sys.executable, "-m", "kvfence", "serve", "--role", name.split("-")[0], "--inbox", inbox,
                 "--router-addr", router_inbox, "--model", str(checkpoint), "--model-kind", kind,
-                "--transport", transport, "--kv-pages", kv_pages, *fault_args, *extra]  # fmt: skip
+                "--transport", transport, "--kv-pages", kv_pages, "--torch-threads", "1", *fault_args, *extra]  # fmt: skip
         workers[name] = subprocess.Popen(argv)
     backend = PDBackend(
         router_inbox,
