@@ -1,0 +1,422 @@
+"""Serving throughput: kvfence vs vLLM CPU vs llama.cpp on the same checkpoint, same run.
+
+Seeded workload: N requests per concurrency level (default 64; prompts of 64-512 random
+token ids sent as ids, 64 output tokens, `ignore_eos`, temperature 0), streamed over
+`/v1/completions` with `stream_options.include_usage`, at concurrency 1, 4 and 16. Every
+level draws its own prompts, so no engine's prefix cache can reuse one level's prompts in
+the next. The engines serve the SAME Hugging Face checkpoint (llama.cpp an f32 GGUF
+converted from it), one server at a time:
+
+  kvfence   `kvfence serve --model DIR --no-auth` (1 GiB KV pool per role)
+  vLLM      CPU build, `--dtype float32`, `VLLM_CPU_OMP_THREADS_BIND=0-1`, 1 GiB KV
+  llama.cpp `llama-server -t 2 -np 16 -c 16384` (1,024 tokens per slot), f32 GGUF
+
+Output tokens are counted from each stream's `usage`; TTFT is the time to the first
+event that carries a choice. Throughput is all output tokens of a level over its wall
+time. The 1-minute load average is printed next to every figure (the machine is shared).
+Prints one line per engine and level, then one result line per level with the ratios
+kvfence/vLLM and kvfence/llama.cpp (the goal is >= 1.0).
+
+Usage: python bench/serve_throughput.py [--preset smollm|tiny] [--requests N]
+           [--engines kvfence,vllm,llamacpp] [--quick] [--profile-kvfence OUT.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.peers import (  # noqa: E402
+    PeerCache,
+    PeerServer,
+    free_port,
+    start_llamacpp,
+    start_vllm,
+)
+
+from kvfence.model.tiny import PRESETS, default_checkpoint_dir  # noqa: E402
+
+ENGINES = ("kvfence", "vllm", "llamacpp")
+KV_BYTES = 1 << 30  # every engine gets 1 GiB of KV (vLLM's VLLM_CPU_KVCACHE_SPACE=1)
+CONTEXT = 2048
+LLAMA_SLOTS = 16
+LLAMA_CTX = 16384
+# Prompt ids avoid the special tokens at the start of the vocabulary and stay inside the
+# tokenizer (vLLM rejects ids the tokenizer does not know).
+FIRST_ID = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    requests: int
+    prompt_min: int
+    prompt_max: int
+    output_tokens: int
+    levels: tuple[int, ...]
+    seed: int
+
+    def prompts(self, level_index: int, id_limit: int) -> list[list[int]]:
+        """The level's prompts: seeded per level, so levels never share a prefix."""
+        rng = random.Random(self.seed * 1000 + level_index)
+        out = []
+        for _ in range(self.requests):
+            n = rng.randint(self.prompt_min, self.prompt_max)
+            out.append([rng.randrange(FIRST_ID, id_limit) for _ in range(n)])
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    ttft_s: float
+    latency_s: float
+    output_tokens: int
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class LevelResult:
+    engine: str
+    concurrency: int
+    tok_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    wall_s: float
+    output_tokens: int
+    errors: int
+    load_before: float
+    load_after: float
+
+    def line(self) -> str:
+        return (
+            f"  {self.engine:<9} conc={self.concurrency:<3} out_tok_s={self.tok_s:9.1f} "
+            f"ttft_p50_ms={self.ttft_p50_ms:9.1f} ttft_p99_ms={self.ttft_p99_ms:9.1f} "
+            f"wall_s={self.wall_s:7.1f} tokens={self.output_tokens} errors={self.errors} "
+            f"load1={self.load_before:.1f}->{self.load_after:.1f}"
+        )
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
+
+
+async def one_request(
+    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int
+) -> Outcome:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    first: float | None = None
+    tokens = 0
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                return Outcome(0.0, 0.0, 0, f"HTTP {resp.status_code}: {text[:200]}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    return Outcome(0.0, 0.0, 0, f"stream error: {data[:200]}")
+                if first is None and event.get("choices"):
+                    first = time.perf_counter()
+                usage = event.get("usage")
+                if usage:
+                    tokens = int(usage.get("completion_tokens", 0))
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        return Outcome(0.0, 0.0, 0, f"{type(e).__name__}: {e}")
+    end = time.perf_counter()
+    if tokens == 0:
+        return Outcome(0.0, 0.0, 0, "no usage.completion_tokens in the stream")
+    return Outcome((first or end) - start, end - start, tokens, None)
+
+
+async def run_level(
+    url: str, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int
+) -> tuple[list[Outcome], float]:
+    queue: asyncio.Queue[list[int]] = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    outcomes: list[Outcome] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    timeout = httpx.Timeout(3600.0, connect=30.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+
+        async def worker() -> None:
+            while True:
+                try:
+                    prompt = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                outcomes.append(await one_request(client, url, model, prompt, max_tokens))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    return outcomes, wall
+
+
+def measure(
+    engine: str,
+    server: PeerServer,
+    work: Workload,
+    id_limit: int,
+    log: Callable[[str], None],
+    profile: Path | None = None,
+) -> list[LevelResult]:
+    model = served_model(server.url)
+    # Warm-up (not counted): first-call allocations, lazy compilation, thread pools.
+    warm = [list(range(FIRST_ID, FIRST_ID + 32))]
+    outs, _ = asyncio.run(run_level(server.url, model, warm * 2, 2, 8))
+    for o in outs:
+        if o.error:
+            raise RuntimeError(f"{engine}: warm-up request failed: {o.error}")
+    results = []
+    for i, conc in enumerate(work.levels):
+        prompts = work.prompts(i, id_limit)
+        load_before = os.getloadavg()[0]
+        spy = profiler(server.pid, profile) if profile and conc == max(work.levels) else None
+        outs, wall = asyncio.run(run_level(server.url, model, prompts, conc, work.output_tokens))
+        if spy is not None:
+            stop_profiler(spy, log)
+        ok = [o for o in outs if o.error is None]
+        errors = [o.error for o in outs if o.error is not None]
+        if errors:
+            log(f"  {engine} conc={conc}: {len(errors)} failed requests, first: {errors[0]}")
+        ttft = [o.ttft_s * 1000 for o in ok]
+        tokens = sum(o.output_tokens for o in ok)
+        result = LevelResult(
+            engine=engine,
+            concurrency=conc,
+            tok_s=tokens / wall if wall > 0 else 0.0,
+            ttft_p50_ms=percentile(ttft, 50),
+            ttft_p99_ms=percentile(ttft, 99),
+            wall_s=wall,
+            output_tokens=tokens,
+            errors=len(errors),
+            load_before=load_before,
+            load_after=os.getloadavg()[0],
+        )
+        log(result.line())
+        results.append(result)
+    return results
+
+
+def profiler(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """`py-spy record` attached to `pid` (its own session); folded stacks go to `out`."""
+    py_spy = Path(sys.executable).parent / "py-spy"
+    cmd = [str(py_spy), "record", "--pid", str(pid), "--format", "raw", "-o", str(out)]
+    cmd += ["--rate", "50", "--nonblocking"]
+    spy = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+    time.sleep(1.0)  # attached before the first request goes out
+    return spy
+
+
+def stop_profiler(spy: subprocess.Popen[bytes], log: Callable[[str], None]) -> None:
+    """SIGINT makes py-spy write its file and exit."""
+    spy.send_signal(signal.SIGINT)
+    try:
+        spy.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+        spy.wait()
+        log("  py-spy did not stop on SIGINT; killed (profile may be missing)")
+
+
+def served_model(url: str) -> str:
+    resp = httpx.get(url + "/v1/models", timeout=30.0)
+    resp.raise_for_status()
+    return str(resp.json()["data"][0]["id"])
+
+
+def start_kvfence(model_dir: Path, log_dir: Path) -> PeerServer:
+    """`kvfence serve` as a subprocess in its own session, like the peers."""
+    port = free_port()
+    kvfence_bin = Path(sys.executable).parent / "kvfence"
+    cmd = [
+        str(kvfence_bin),
+        "serve",
+        "--model",
+        str(model_dir),
+        "--model-kind",
+        "llama",
+        "--no-auth",
+        "--port",
+        str(port),
+        "--kv-bytes",
+        str(KV_BYTES),
+        "--context-length",
+        str(CONTEXT),
+    ]
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"kvfence-{port}-{time.strftime('%Y%m%dT%H%M%S')}.log"
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    server = PeerServer(
+        name="kvfence",
+        url=f"http://127.0.0.1:{port}",
+        port=port,
+        model=model_dir.name,
+        log_path=log_path,
+        cmd=cmd,
+        process=proc,
+        ready_path="/health",
+    )
+    try:
+        server.ready_s = server.wait_ready(300.0)
+    except BaseException:
+        server.stop(grace=5.0)
+        raise
+    return server
+
+
+@contextmanager
+def engine_server(engine: str, model_dir: Path, log_dir: Path) -> Iterator[PeerServer]:
+    if engine == "kvfence":
+        server = start_kvfence(model_dir, log_dir)
+    elif engine == "vllm":
+        server = start_vllm(
+            model_dir,
+            dtype="float32",
+            omp_threads_bind="0-1",
+            kv_cache_gib=KV_BYTES / (1 << 30),
+            max_model_len=CONTEXT,
+            enable_prompt_tokens_details=False,
+        )
+    else:
+        server = start_llamacpp(
+            model_dir, ctx_size=LLAMA_CTX, parallel=LLAMA_SLOTS, threads=2, outtype="f32"
+        )
+    with server:
+        yield server
+
+
+def installed(engine: str, cache: PeerCache) -> bool:
+    if engine == "vllm":
+        return cache.vllm_installed()
+    if engine == "llamacpp":
+        return cache.llamacpp_installed()
+    return True
+
+
+def ratio(a: float, b: float | None) -> str:
+    return f"{a / b:.3f}" if b else "n/a"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="smollm")
+    ap.add_argument("--requests", type=int, default=None, help="per level [64; --quick 16]")
+    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--levels", default="1,4,16", help="concurrency levels")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--quick", action="store_true", help="16 requests, 32-128-token prompts, 16 output tokens"
+    )
+    ap.add_argument(
+        "--profile-kvfence",
+        type=Path,
+        default=None,
+        help="py-spy kvfence during the highest concurrency level; folded stacks go here",
+    )
+    args = ap.parse_args()
+
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = set(engines) - set(ENGINES)
+    if unknown:
+        ap.error(f"unknown engines {sorted(unknown)}; choose from {ENGINES}")
+    if args.quick:
+        work = Workload(args.requests or 16, 32, 128, 16, (), args.seed)
+    else:
+        work = Workload(args.requests or 64, 64, 512, 64, (), args.seed)
+    work = Workload(
+        work.requests,
+        work.prompt_min,
+        work.prompt_max,
+        work.output_tokens,
+        tuple(int(c) for c in args.levels.split(",")),
+        work.seed,
+    )
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    cache = PeerCache.from_env()
+    model_dir = default_checkpoint_dir(preset=args.preset)
+    id_limit = PRESETS[args.preset].tokenizer_size
+    log(
+        f"serve_throughput: preset={args.preset} checkpoint={model_dir} requests={work.requests} "
+        f"prompts={work.prompt_min}-{work.prompt_max} output={work.output_tokens} "
+        f"levels={work.levels} seed={work.seed} cores={os.cpu_count()} "
+        f"load1={os.getloadavg()[0]:.1f}"
+    )
+    by_engine: dict[str, dict[int, LevelResult]] = {}
+    for engine in engines:
+        if not installed(engine, cache):
+            log(f"{engine}: SKIPPED, not installed in {cache.root} (run bench/peers/install.sh)")
+            continue
+        profile = args.profile_kvfence if engine == "kvfence" else None
+        t0 = time.perf_counter()
+        with engine_server(engine, model_dir, cache.run_dir / "logs") as server:
+            log(f"{engine}: ready in {server.ready_s:.1f} s ({' '.join(server.cmd[:3])} ...)")
+            results = measure(engine, server, work, id_limit, log, profile)
+        by_engine[engine] = {r.concurrency: r for r in results}
+        log(f"{engine}: done in {time.perf_counter() - t0:.0f} s")
+
+    for conc in work.levels:
+        figures = {e: r[conc].tok_s for e, r in by_engine.items()}
+        kv = figures.get("kvfence")
+        parts = [f"{e}={v:.1f}" for e, v in figures.items()]
+        if kv is not None:
+            parts.append(f"kvfence/vllm={ratio(kv, figures.get('vllm'))}")
+            parts.append(f"kvfence/llamacpp={ratio(kv, figures.get('llamacpp'))}")
+        loads = "/".join(f"{r[conc].load_before:.1f}" for r in by_engine.values())
+        log(
+            f"serve_throughput preset={args.preset} conc={conc} out_tok_s: "
+            + " ".join(parts)
+            + f" (load1 {loads})"
+        )
+    if args.profile_kvfence is not None:
+        log(f"kvfence py-spy profile (folded stacks): {args.profile_kvfence}")
+
+
+if __name__ == "__main__":
+    main()
