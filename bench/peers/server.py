@@ -7,6 +7,7 @@ helpers it spawned (vLLM's engine core) by the group's id, and nothing else.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import signal
@@ -142,6 +143,16 @@ class PeerServer:
         self.stop()
 
 
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it if the starting process dies (PR_SET_PDEATHSIG).
+
+    A killed test run must not leave a multi-GB vLLM behind; its own SIGTERM handler then
+    takes its engine core down with it.
+    """
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+
+
 def _clean_env() -> dict[str, str]:
     """The caller's environment minus anything that would leak this project's venv into a peer's."""
     drop = ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")
@@ -168,6 +179,7 @@ def _launch(
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
     server = PeerServer(
         name=name,

@@ -15,7 +15,9 @@ from peer_helpers import (
     token_ids,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.peers]
+# The session's peer starts inside the first test's timeout; on a loaded 2-core machine
+# vLLM can take minutes instead of ~55 s.
+pytestmark = [pytest.mark.slow, pytest.mark.peers, pytest.mark.timeout(900)]
 
 
 def test_models_reports_configured_max_model_len(vllm_peer: PeerServer) -> None:
@@ -58,22 +60,44 @@ def test_temperature_zero_repeats_exactly(vllm_peer: PeerServer) -> None:
     assert first["usage"]["completion_tokens"] == second["usage"]["completion_tokens"] > 0
 
 
-def test_overlong_prompt_is_400(vllm_peer: PeerServer) -> None:
+@pytest.mark.parametrize("extra", [0, 10])
+def test_prompt_leaving_no_room_for_output_is_400(vllm_peer: PeerServer, extra: int) -> None:
+    # A prompt of max_model_len tokens already fails: no room is left for one output token.
     status, body = post(
         vllm_peer,
         "/v1/completions",
-        {"model": vllm_peer.model, "prompt": token_ids(VLLM_MAX_MODEL_LEN + 10), "max_tokens": 1},
+        {
+            "model": vllm_peer.model,
+            "prompt": token_ids(VLLM_MAX_MODEL_LEN + extra),
+            "max_tokens": 1,
+        },
     )
     assert status == 400, body
 
 
-def test_too_large_max_tokens_is_400(vllm_peer: PeerServer) -> None:
+def test_max_tokens_over_max_model_len_is_400(vllm_peer: PeerServer) -> None:
     status, body = post(
         vllm_peer,
         "/v1/completions",
-        {"model": vllm_peer.model, "prompt": token_ids(16), "max_tokens": VLLM_MAX_MODEL_LEN},
+        {"model": vllm_peer.model, "prompt": token_ids(16), "max_tokens": VLLM_MAX_MODEL_LEN + 1},
     )
     assert status == 400, body
+
+
+def test_prompt_plus_max_tokens_over_the_limit_is_cut_not_refused(vllm_peer: PeerServer) -> None:
+    # vLLM 0.32 refuses only max_tokens > max_model_len; a prompt + max_tokens sum over
+    # the limit is cut to what fits (max_model_len - prompt), ending with "length".
+    prompt_len = VLLM_MAX_MODEL_LEN - 8
+    body = complete(
+        vllm_peer,
+        token_ids(prompt_len),
+        max_tokens=100,
+        temperature=0.0,
+        ignore_eos=True,
+    )
+    assert body["usage"]["prompt_tokens"] == prompt_len
+    assert body["usage"]["completion_tokens"] == VLLM_MAX_MODEL_LEN - prompt_len
+    assert body["choices"][0]["finish_reason"] == "length"
 
 
 def test_prompt_that_fits_is_served_with_cached_token_details(vllm_peer: PeerServer) -> None:
