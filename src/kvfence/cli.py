@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
+from types import MappingProxyType
 
 import click
 
 from kvfence import __version__
-from kvfence.audit.cli import audit
 from kvfence.engine.geometry import KVGeometry
 from kvfence.engine.sizing import (
     DEFAULT_HEADROOM,
@@ -16,8 +17,6 @@ from kvfence.engine.sizing import (
     capacity_gate,
     pool_from_budget,
 )
-from kvfence.lab.cli import lab
-from kvfence.serve.cli import serve
 
 # The built-in tiny geometry (the checkpoint `kvfence make-model` writes).
 TINY_GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=32, page_size=16, dtype="float32")
@@ -25,7 +24,33 @@ TINY_KV_BYTES = 64 * 1024 * 1024
 TINY_CONTEXT = 4096
 
 
-@click.group(invoke_without_command=True)
+_LAZY_COMMANDS = MappingProxyType(
+    {
+        "serve": "kvfence.serve.cli:serve",
+        "audit": "kvfence.audit.cli:audit",
+        "lab": "kvfence.lab.cli:lab",
+    }
+)
+
+
+class _LazyGroup(click.Group):
+    """Commands from other packages are imported only when invoked (audit pulls in scipy,
+    serve pulls in uvicorn): `kvfence lab replay` should not pay for `kvfence audit`."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *_LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = _LAZY_COMMANDS.get(cmd_name)
+        if target is None:
+            return super().get_command(ctx, cmd_name)
+        module, _, attr = target.partition(":")
+        command = getattr(importlib.import_module(module), attr)
+        assert isinstance(command, click.Command)
+        return command
+
+
+@click.group(cls=_LazyGroup, invoke_without_command=True)
 @click.version_option(__version__, prog_name="kvfence")
 @click.pass_context
 def main(ctx: click.Context) -> None:
@@ -99,8 +124,3 @@ def make_model(out_dir: str, preset: str, seed: int) -> None:
 
     path = make_tiny_checkpoint(out_dir, seed=seed, preset=preset)
     click.echo(f"wrote {preset} checkpoint (seed {seed}) to {path}")
-
-
-main.add_command(serve)
-main.add_command(audit)
-main.add_command(lab)
