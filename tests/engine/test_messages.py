@@ -201,7 +201,7 @@ JSON = st.recursive(
 )
 
 
-def decodes_or_refuses(data: bytes) -> None:
+def assert_decodes_or_refuses(data: bytes) -> None:
     try:
         msg = decode_message(data)
     except MessageError:
@@ -212,13 +212,13 @@ def decodes_or_refuses(data: bytes) -> None:
 @settings(CI, max_examples=400)
 @given(st.binary(max_size=200))
 def test_fuzz_random_bytes(data: bytes) -> None:
-    decodes_or_refuses(data)
+    assert_decodes_or_refuses(data)
 
 
 @settings(CI, max_examples=400)
 @given(st.sampled_from(sorted(MESSAGE_TYPES)) | st.text(max_size=8), JSON)
 def test_fuzz_random_json_bodies(type_name: str, body: Any) -> None:
-    decodes_or_refuses(raw(type_name, body))
+    assert_decodes_or_refuses(raw(type_name, body))
 
 
 @settings(CI, max_examples=400)
@@ -228,4 +228,4 @@ def test_fuzz_one_field_of_a_valid_message(msg: Any, data: st.DataObject) -> Non
     body = body_of(msg)
     key = data.draw(st.sampled_from(sorted(body)))
     body[key] = data.draw(JSON)
-    decodes_or_refuses(raw(type(msg).__name__, body))
+    assert_decodes_or_refuses(raw(type(msg).__name__, body))

@@ -97,7 +97,7 @@ def test_prompt_over_decode_pool_fails_at_bootstrap(models: Models) -> None:
     assert_quiet_and_empty(pipe)
 
 
-def _stage_and_abort(models: Models, stage: str) -> None:
+def assert_abort_at_stage_leaves_ledger_clean(models: Models, stage: str) -> None:
     """Bring one request to `stage`, abort it, and check it ends once with 499 and frees everything."""
     pipe = models.pipeline(prefill_pages=8, decode_pages=12, chunk_size=16, max_batch_tokens=16)
     blocker = list(range(5, 125))  # 120 tokens: fills decode or prefill for a while
@@ -141,7 +141,7 @@ def _stage_and_abort(models: Models, stage: str) -> None:
 
 @pytest.mark.parametrize("stage", ["decode-queue", "prefill-queue", "mid-prefill", "decoding"])
 def test_abort_at_every_stage_leaves_the_ledger_clean(models: Models, stage: str) -> None:
-    _stage_and_abort(models, stage)
+    assert_abort_at_stage_leaves_ledger_clean(models, stage)
 
 
 def test_abort_of_unknown_or_finished_room_is_harmless(models: Models) -> None:
