@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install clean peers
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,11 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The real peer engines (vLLM CPU, llama-server) for tests/peers, cached outside the clone
+# in $KVFENCE_PEER_CACHE (default /var/cache/kvfence-peers): ~20 min cold, seconds warm.
+peers:
+	bash bench/peers/install.sh
 
 clean:
 	rm -rf $(VENV)
