@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install clean peers
+.PHONY: demo test lint install clean peers browser
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,14 @@ test: lint
 # in $KVFENCE_PEER_CACHE (default /var/cache/kvfence-peers): ~20 min cold, seconds warm.
 peers:
 	bash bench/peers/install.sh
+
+# Debian's chromium for the HTML report's render test (tests/audit/test_report_render.py);
+# nothing to do when /usr/bin/chromium exists. apt-get needs root (sudo when not root).
+browser:
+	@if [ -x /usr/bin/chromium ]; then /usr/bin/chromium --version; else \
+	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q chromium; \
+	fi
 
 clean:
 	rm -rf $(VENV)

@@ -247,11 +247,13 @@ PALETTE = ("#0969da", "#8250df", "#1a7f37", "#bc4c00", "#6e7781")
 
 def _legend(series: list[PlotSeries]) -> list[str]:
     out = []
+    x = PAD_L + 8
     for i, s in enumerate(series):
         c = PALETTE[i % len(PALETTE)]
-        x = PAD_L + 8 + i * 150
         out.append(f'<rect x="{x}" y="8" width="10" height="10" fill="{c}" fill-opacity="0.7"/>')
         out.append(f'<text x="{x + 14}" y="17" class="tick">{html.escape(s.name)}</text>')
+        # A long name widens its slot (about 7 px a character at 11 px) so labels never overlap.
+        x += max(150, 28 + 7 * len(s.name))
     return out
 
 

@@ -1,0 +1,269 @@
+"""The audit's two costs: the full runbook's wall time, and the requests prefix sharing needs.
+
+Seeded (`--seed`: the audit's RNG, hence every random prompt). Measurements:
+
+(a) `kvfence audit` with no target, as a user runs it (a fresh interpreter:
+    both embedded servers started, the full runbook on each, reports written,
+    servers stopped). Target: under 60 s on this machine. A fresh interpreter
+    that only imports the command is timed in the same run, so the line shows
+    what part of the wall is start-up. The run must exit 1 (the lab is red).
+(b) `PrefixSharingCheck` with `cached_tokens` evidence ignored
+    (`stop_on_cached_evidence=False`), no salt, and the sequential design
+    `SequentialDesign(alpha=1e-6, batch=8, max_per_arm=64)`: how many
+    requests until one-sided KS rejects at the per-look threshold
+    (alpha / 8 looks) — against `kvfence serve --lab-fault shared-prefix-cache`,
+    against the same server without the switch (baseline: must not reject,
+    spends the full budget), and against a real vLLM (prefix caching on by
+    default) when the peer kit is installed (`make peers`). The ratio is
+    against the paper's 250 + 250 requests (Gu et al., ICML 2025).
+
+Prints one line per measurement:
+
+  audit_embedded_wall_s=... runbook_s=... start_stop_s=... per_check_s=... target<60s ratio=... exit=1 load1=...
+  prefix_sharing[kvfence shared-prefix-cache] requests=... p=... rejected=... ratio_vs_paper=...
+  prefix_sharing[kvfence hardened baseline] requests=... p=... rejected=False ...
+  prefix_sharing[vllm default] requests=... p=... rejected=... ratio_vs_paper=...
+
+load1 (the 1-minute load average) is printed on every line: other work on the
+machine inflates wall time and TTFT noise alike.
+
+Usage: python bench/audit.py [--seed 0] [--skip-embedded] [--skip-vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `bench` is a top-level folder, not an installed package
+    sys.path.insert(0, str(ROOT))
+
+from bench.peers import PeerCache, start_vllm  # noqa: E402
+
+from kvfence.audit.base import AuditContext, Budget, CheckResult, run_check  # noqa: E402
+from kvfence.audit.prefix_sharing import PrefixSharingCheck, PrefixSharingConfig  # noqa: E402
+from kvfence.audit.stats import SequentialDesign  # noqa: E402
+from kvfence.audit.targets.base import Target  # noqa: E402
+from kvfence.audit.targets.kvfence import KvfenceTarget  # noqa: E402
+from kvfence.audit.targets.vllm import VllmTarget  # noqa: E402
+
+TARGET_S = 60.0
+PAPER_REQUESTS = 250 + 250
+DESIGN = SequentialDesign(alpha=1e-6, batch=8, max_per_arm=64)
+KEY_A = "bench-audit-tenant-a-7d1e"
+KEY_B = "bench-audit-tenant-b-3c94"
+URL_LINE = re.compile(r"kvfence serving \S+ at (http://\S+)")
+
+
+def load1() -> str:
+    return f"{os.getloadavg()[0]:.1f}"
+
+
+# -- (a) the embedded default ------------------------------------------------------
+
+
+def embedded_wall(seed: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="kvfence-bench-audit-") as tmp:
+        report = Path(tmp) / "report.json"
+        start = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, "-m", "kvfence", "audit", "--quiet", "--seed", str(seed),
+             "--json", str(report), "--report", str(Path(tmp) / "report.html")],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        wall = time.perf_counter() - start
+        if done.returncode != 1 or not report.exists():
+            raise SystemExit(
+                f"kvfence audit exited {done.returncode} (want 1: the lab is red):\n"
+                f"{done.stdout[-3000:]}{done.stderr[-3000:]}"
+            )
+        run = json.loads(report.read_text())
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import kvfence.audit.cli"], check=True)
+    imports = time.perf_counter() - start
+    per_check: dict[str, float] = {}
+    for r in run["results"]:  # summed over both servers
+        per_check[r["check"]] = per_check.get(r["check"], 0.0) + r["duration_s"]
+    checks = ",".join(f"{name}:{s:.1f}" for name, s in per_check.items())
+    print(
+        f"audit_embedded_wall_s={wall:.2f} runbook_s={run['duration_s']:.2f} "
+        f"start_stop_s={wall - run['duration_s']:.2f} import_only_s={imports:.2f} "
+        f"requests={run['requests_sent']} per_check_s={checks} "
+        f"target<{TARGET_S:.0f}s ratio={wall / TARGET_S:.2f} exit={done.returncode} "
+        f"load1={load1()}",
+        flush=True,
+    )
+
+
+# -- (b) prefix sharing to p < alpha -------------------------------------------------
+
+
+@contextmanager
+def kvfence_server(tmp: Path, faults: tuple[str, ...]) -> Iterator[str]:
+    """`kvfence serve` (its defaults) with two tenants; yields the URL it announces."""
+    tenants = tmp / "tenants.json"
+    tenants.write_text(
+        json.dumps(
+            {
+                "tenants": [
+                    {"name": "tenant-a", "keys": [KEY_A]},
+                    {"name": "tenant-b", "keys": [KEY_B]},
+                ]
+            }
+        )
+    )
+    cmd = [sys.executable, "-m", "kvfence", "serve", "--tenants", str(tenants)]
+    for f in faults:
+        cmd += ["--lab-fault", f]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp
+    )
+    try:
+        url = None
+        deadline = time.monotonic() + 180
+        assert proc.stdout is not None
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            m = URL_LINE.search(line)
+            if m:
+                url = m.group(1)
+        if url is None:
+            raise SystemExit(f"kvfence serve did not announce a URL (exit {proc.poll()})")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def prefix_config(prefix_pages: int | None) -> PrefixSharingConfig:
+    if prefix_pages is None:
+        return PrefixSharingConfig(salt="off", stop_on_cached_evidence=False, design=DESIGN)
+    return PrefixSharingConfig(
+        prefix_pages=prefix_pages,
+        min_prefix_tokens=prefix_pages * 16,
+        salt="off",
+        stop_on_cached_evidence=False,
+        design=DESIGN,
+    )
+
+
+def report_prefix(label: str, res: CheckResult, seconds: float) -> None:
+    ev = res.evidence.get("unsalted")
+    if not isinstance(ev, dict) or not isinstance(ev.get("ks"), dict):
+        print(
+            f"prefix_sharing[{label}] verdict={res.verdict.value} no KS result: {res.summary} "
+            f"load1={load1()}",
+            flush=True,
+        )
+        return
+    ks = ev["ks"]
+    requests = int(ev["requests"])
+    print(
+        f"prefix_sharing[{label}] requests={requests} trials={ev['trials']} "
+        f"p={ks['p_value']:.2e} threshold={ks['threshold_per_look']:.1e} "
+        f"rejected={ks['rejected']} verdict={res.verdict.value} "
+        f"prefix_tokens={res.evidence.get('prefix_tokens')} "
+        f"cached_tokens_seen={ev['cross_tenant_cached_hits']} "
+        f"ratio_vs_paper={requests / PAPER_REQUESTS:.2f} seconds={seconds:.1f} load1={load1()}",
+        flush=True,
+    )
+
+
+def run_prefix(
+    ctx: AuditContext, target: Target, cfg: PrefixSharingConfig
+) -> tuple[CheckResult, float]:
+    start = time.perf_counter()
+    with ctx.open():
+        res = run_check(PrefixSharingCheck(cfg), ctx, target)
+    return res, time.perf_counter() - start
+
+
+def prefix_kvfence(seed: int, prefix_pages: int) -> None:
+    cfg = prefix_config(prefix_pages)
+    for label, faults in (
+        ("kvfence shared-prefix-cache", ("shared-prefix-cache",)),
+        ("kvfence hardened baseline", ()),
+    ):
+        with (
+            tempfile.TemporaryDirectory(prefix="kvfence-bench-prefix-") as tmp,
+            kvfence_server(Path(tmp), faults) as url,
+        ):
+            ctx = AuditContext(
+                key_a=KEY_A, key_b=KEY_B, seed=seed,
+                budget=Budget(max_requests=1000, max_seconds=600),
+            )  # fmt: skip
+            res, seconds = run_prefix(ctx, KvfenceTarget(url), cfg)
+        report_prefix(label, res, seconds)
+
+
+def prefix_vllm(seed: int) -> None:
+    cache = PeerCache.from_env()
+    if not cache.vllm_installed():
+        print(
+            f"prefix_sharing[vllm default] skipped: vLLM peer not installed in {cache.root} "
+            f"(run `make peers`)",
+            flush=True,
+        )
+        return
+    from kvfence.model.tiny import make_tiny_checkpoint  # torch: imported only here
+
+    with tempfile.TemporaryDirectory(prefix="kvfence-bench-vllm-") as tmp:
+        ckpt = make_tiny_checkpoint(Path(tmp) / "tiny", seed=0)
+        start = time.perf_counter()
+        with start_vllm(
+            ckpt,
+            max_model_len=2048,
+            enable_prompt_tokens_details=True,
+            enforce_eager=True,
+            ready_timeout=840.0,
+            log_dir=Path(tmp) / "log",
+            cache=cache,
+        ) as server:
+            startup = time.perf_counter() - start
+            # vLLM has no tenants: A and B are two callers of the same open endpoint.
+            ctx = AuditContext(seed=seed, budget=Budget(max_requests=1000, max_seconds=600))
+            res, seconds = run_prefix(ctx, VllmTarget(server.url), prefix_config(None))
+    print(f"vllm_startup_s={startup:.1f} load1={load1()}", flush=True)
+    report_prefix("vllm default", res, seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--kvfence-prefix-pages",
+        type=int,
+        default=64,
+        help="prefix pages against kvfence serve (its default mirror model's prefill is cheap, "
+        "so a short prefix saves little time)",
+    )
+    parser.add_argument("--skip-embedded", action="store_true")
+    parser.add_argument("--skip-kvfence", action="store_true")
+    parser.add_argument("--skip-vllm", action="store_true")
+    args = parser.parse_args()
+    if not args.skip_embedded:
+        embedded_wall(args.seed)
+    if not args.skip_kvfence:
+        prefix_kvfence(args.seed, args.kvfence_prefix_pages)
+    if not args.skip_vllm:
+        prefix_vllm(args.seed)
+
+
+if __name__ == "__main__":
+    main()
