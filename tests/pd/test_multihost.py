@@ -14,7 +14,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -34,7 +33,6 @@ from kvfence.serve.tenants import TenantRegistry
 pytestmark = pytest.mark.slow
 
 HOSTS = ("router", "prefill", "decode", "client")
-ROUTER_INBOX, PREFILL_INBOX, DECODE_INBOX, HTTP_PORT = 7000, 7001, 7002, 8000
 T = TypeVar("T")
 
 
@@ -105,13 +103,17 @@ def _popen(lab: NetLab, host: str, argv: list[str], log: Path) -> subprocess.Pop
         )
 
 
-def _stop(procs: dict[str, subprocess.Popen[bytes]]) -> None:
-    for p in procs.values():
+def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float = 10) -> None:
+    """SIGTERM all, then SIGKILL what is left after `grace_s` (the TCP transport holds no
+    shared segments, so a kill leaks nothing; a worker that closed its sockets can still
+    spend many seconds in interpreter finalization on a loaded machine)."""
+    for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
-    for p in procs.values():
+    end = time.monotonic() + grace_s
+    for p in procs:
         try:
-            p.wait(timeout=20)
+            p.wait(timeout=max(0.1, end - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
@@ -130,49 +132,72 @@ def _wait_for_router(cluster: MultiHost, deadline_s: float = 240) -> str:
     raise AssertionError(f"router not serving after {deadline_s} s\n{cluster.diagnostics()}")
 
 
-@pytest.fixture(scope="module")
-def cluster(
-    request: pytest.FixtureRequest,
-    lab: NetLab,
-    pd_checkpoint: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[MultiHost]:
-    """Router, prefill and decode on three hosts; `request.param` is the model kind.
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    kind: str
+    port_base: int  # router inbox; +1 prefill inbox, +2 decode inbox, +3 HTTP
+    kv_host: str  # "decode" = the decode host's own address; else a literal address
 
-    The decode worker's KV receiver listens on its own host's address (`--kv-host`),
-    which is the address it reports to the router and the router hands to prefill.
-    """
-    kind = request.param
-    tmp = tmp_path_factory.mktemp(f"multihost-{kind}")
+
+# Started together (start-up is most of the cost); each has its own ports on the same hosts.
+SETUPS = (
+    Setup("llama", "llama", 7000, "decode"),
+    Setup("mirror", "mirror", 7100, "decode"),
+    # Decode listens for KV on its own loopback: the address it reports is unreachable
+    # from the prefill host. Shows the cross-host tests can fail.
+    Setup("loopback-kv", "mirror", 7200, "127.0.0.1"),
+)
+
+
+def _start(lab: NetLab, setup: Setup, checkpoint: Path, tmp: Path) -> MultiHost:
     tenants = TenantRegistry.generate(("a", "b", "c", "d"))
     tenants_file = tmp / "tenants.json"
     tenants_file.touch(mode=0o600)
     tenants_file.write_text(tenants.to_json())
-    router_inbox = f"tcp://{lab.ip('router')}:{ROUTER_INBOX}"
-    prefill_inbox = f"tcp://{lab.ip('prefill')}:{PREFILL_INBOX}"
-    decode_inbox = f"tcp://{lab.ip('decode')}:{DECODE_INBOX}"
-    common = ["--model", str(pd_checkpoint), "--model-kind", kind, "--transport", "tcp"]
+    port = setup.port_base
+    router_inbox = f"tcp://{lab.ip('router')}:{port}"
+    prefill_inbox = f"tcp://{lab.ip('prefill')}:{port + 1}"
+    decode_inbox = f"tcp://{lab.ip('decode')}:{port + 2}"
+    kv_host = lab.ip("decode") if setup.kv_host == "decode" else setup.kv_host
+    common = ["--model", str(checkpoint), "--model-kind", setup.kind, "--transport", "tcp"]
     worker = [*common, "--kv-pages", "prefill=512,decode=512", "--router-addr", router_inbox]
     argv = {
         "prefill": [*worker, "--role", "prefill", "--inbox", prefill_inbox],
-        "decode": [*worker, "--role", "decode", "--inbox", decode_inbox,
-                   "--kv-host", lab.ip("decode")],
+        "decode": [*worker, "--role", "decode", "--inbox", decode_inbox, "--kv-host", kv_host],
         "router": [*common, "--role", "router", "--inbox", router_inbox,
                    "--prefill-addr", prefill_inbox, "--decode-addr", decode_inbox,
-                   "--host", lab.ip("router"), "--port", str(HTTP_PORT),
+                   "--host", lab.ip("router"), "--port", str(port + 3),
                    "--tenants", str(tenants_file)],
     }  # fmt: skip
     logs = {host: tmp / f"{host}.log" for host in argv}
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    c = MultiHost(lab, "", pd_checkpoint.name, tenants, procs, logs)
+    c = MultiHost(lab, "", checkpoint.name, tenants, {}, logs)
+    for host, args in argv.items():
+        c.procs[host] = _popen(lab, host, args, logs[host])
+    return c
+
+
+@pytest.fixture(scope="module")
+def clusters(
+    lab: NetLab, pd_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, MultiHost]]:
+    """Each setup: router, prefill and decode on three hosts, TCP transport.
+
+    The decode worker's KV receiver listens on `--kv-host`, which is also the
+    address it reports to the router and the router hands to prefill.
+    """
+    started: dict[str, MultiHost] = {}
     try:
-        for host, args in argv.items():
-            procs[host] = _popen(lab, host, args, logs[host])
-        c.url = _wait_for_router(c)
-        yield c
+        for setup in SETUPS:
+            tmp = tmp_path_factory.mktemp(f"multihost-{setup.name}")
+            started[setup.name] = _start(lab, setup, pd_checkpoint, tmp)
+        for c in started.values():
+            c.url = _wait_for_router(c)
+        yield started
     finally:
-        c.close_clients()
-        _stop(procs)
+        for c in started.values():
+            c.close_clients()
+        _stop([p for c in started.values() for p in c.procs.values()])
 
 
 def _texts(c: MultiHost) -> list[str]:
@@ -193,10 +218,10 @@ def _wait_idle(c: MultiHost, deadline_s: float = 60) -> list[dict[str, object]]:
     raise AssertionError(f"decode pages still held after {deadline_s} s: {pools}")
 
 
-@pytest.mark.parametrize("cluster", ["llama"], indirect=True)
 def test_three_hosts_equal_single_process(
-    cluster: MultiHost, pd_checkpoint: Path
+    clusters: dict[str, MultiHost], pd_checkpoint: Path
 ) -> None:
+    cluster = clusters["llama"]
     rx0, _ = cluster.lab.eth0_bytes("decode")
     got = cluster.on_client(_texts, cluster)
     rx1, _ = cluster.lab.eth0_bytes("decode")
@@ -212,11 +237,11 @@ def test_three_hosts_equal_single_process(
     assert got == _single_process_texts(pd_checkpoint), cluster.diagnostics()
 
 
-@pytest.mark.parametrize("cluster", ["mirror"], indirect=True)
 def test_tenants_get_their_own_echo_across_hosts(
-    cluster: MultiHost, pd_checkpoint: Path
+    clusters: dict[str, MultiHost], pd_checkpoint: Path
 ) -> None:
     """12 concurrent streams from 4 tenants on the mirror model: each echoes exactly its own prompt."""
+    cluster = clusters["mirror"]
     tokenizer = Tokenizer.from_dir(pd_checkpoint)
     tenants = ("a", "b", "c", "d")
     clients = {t: cluster.client(t) for t in tenants}
@@ -246,6 +271,29 @@ def _metrics(c: MultiHost) -> str:
         r = http.get(c.url + "/metrics", headers={"Authorization": f"Bearer {c.key()}"})
     assert r.status_code == 200, r.text
     return r.text
+
+
+def test_unreachable_kv_address_fails_the_request(clusters: dict[str, MultiHost]) -> None:
+    """Decode reports a KV address on its own loopback: prefill cannot reach it from its
+    host, so the request ends with an error (never a hang or a 200) and decode's
+    reservation is released; the same request succeeds where decode listens on its link."""
+    bad, good = clusters["loopback-kv"], clusters["mirror"]
+
+    def attempt(c: MultiHost) -> str:
+        try:
+            r = c.client().completions.create(
+                model=c.model, prompt="cross the link", max_tokens=4, temperature=0
+            )
+            return f"ok:{r.choices[0].text}"
+        except openai.APIStatusError as e:
+            return f"error:{e.status_code}:{e.message}"
+
+    outcome = bad.on_client(attempt, bad)
+    assert outcome.startswith("error:502") and "transfer" in outcome, outcome
+    assert good.on_client(attempt, good).startswith("ok:cross")
+    _wait_idle(bad)
+    metrics = bad.on_client(_metrics, bad)
+    assert re.search(r"^kvfence_transfer_failures(_total)? [1-9]", metrics, re.M), metrics
 
 
 def test_lab_is_torn_down_even_when_the_body_fails() -> None:
