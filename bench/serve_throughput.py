@@ -12,7 +12,10 @@ converted from it), one server at a time:
   llama.cpp `llama-server -t 2 -np 16 -c 16384` (1,024 tokens per slot), f32 GGUF
 
 Output tokens are counted from each stream's `usage`; TTFT is the time to the first
-event that carries a choice. Throughput is all output tokens of a level over its wall
+event that carries a choice. Requests ask for `logprobs: 1` (all engines alike): random
+weights mostly pick ids the checkpoint's small tokenizer has no text for, and kvfence and
+vLLM send no event for a token without text, so without logprobs the first event would
+come at the end of the stream (`--no-logprobs` turns it off). Throughput is all output tokens of a level over its wall
 time. The 1-minute load average is printed next to every figure (the machine is shared).
 Prints one line per engine and level, then one result line per level with the ratios
 kvfence/vLLM and kvfence/llama.cpp (the goal is >= 1.0).
@@ -71,6 +74,7 @@ class Workload:
     output_tokens: int
     levels: tuple[int, ...]
     seed: int
+    logprobs: bool
 
     def prompts(self, level_index: int, id_limit: int) -> list[list[int]]:
         """The level's prompts: seeded per level, so levels never share a prefix."""
@@ -122,9 +126,14 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def one_request(
-    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    logprobs: bool,
 ) -> Outcome:
-    body = {
+    body: dict[str, object] = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -133,6 +142,8 @@ async def one_request(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if logprobs:
+        body["logprobs"] = 1
     start = time.perf_counter()
     first: float | None = None
     tokens = 0
@@ -164,7 +175,12 @@ async def one_request(
 
 
 async def run_level(
-    url: str, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int
+    url: str,
+    model: str,
+    prompts: list[list[int]],
+    concurrency: int,
+    max_tokens: int,
+    logprobs: bool,
 ) -> tuple[list[Outcome], float]:
     queue: asyncio.Queue[list[int]] = asyncio.Queue()
     for p in prompts:
@@ -180,7 +196,7 @@ async def run_level(
                     prompt = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                outcomes.append(await one_request(client, url, model, prompt, max_tokens))
+                outcomes.append(await one_request(client, url, model, prompt, max_tokens, logprobs))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -199,7 +215,7 @@ def measure(
     model = served_model(server.url)
     # Warm-up (not counted): first-call allocations, lazy compilation, thread pools.
     warm = [list(range(FIRST_ID, FIRST_ID + 32))]
-    outs, _ = asyncio.run(run_level(server.url, model, warm * 2, 2, 8))
+    outs, _ = asyncio.run(run_level(server.url, model, warm * 2, 2, 8, work.logprobs))
     for o in outs:
         if o.error:
             raise RuntimeError(f"{engine}: warm-up request failed: {o.error}")
@@ -208,7 +224,9 @@ def measure(
         prompts = work.prompts(i, id_limit)
         load_before = os.getloadavg()[0]
         spy = profiler(server.pid, profile) if profile and conc == max(work.levels) else None
-        outs, wall = asyncio.run(run_level(server.url, model, prompts, conc, work.output_tokens))
+        outs, wall = asyncio.run(
+            run_level(server.url, model, prompts, conc, work.output_tokens, work.logprobs)
+        )
         if spy is not None:
             stop_profiler(spy, log)
         ok = [o for o in outs if o.error is None]
@@ -357,24 +375,21 @@ def main() -> None:
         default=None,
         help="py-spy kvfence during the highest concurrency level; folded stacks go here",
     )
+    ap.add_argument(
+        "--no-logprobs",
+        action="store_true",
+        help="do not ask for logprobs=1 (then TTFT is wrong where no token has text)",
+    )
     args = ap.parse_args()
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = set(engines) - set(ENGINES)
     if unknown:
         ap.error(f"unknown engines {sorted(unknown)}; choose from {ENGINES}")
-    if args.quick:
-        work = Workload(args.requests or 16, 32, 128, 16, (), args.seed)
-    else:
-        work = Workload(args.requests or 64, 64, 512, 64, (), args.seed)
-    work = Workload(
-        work.requests,
-        work.prompt_min,
-        work.prompt_max,
-        work.output_tokens,
-        tuple(int(c) for c in args.levels.split(",")),
-        work.seed,
-    )
+    quick, full = (args.requests or 16, 32, 128, 16), (args.requests or 64, 64, 512, 64)
+    sizes = quick if args.quick else full
+    levels = tuple(int(c) for c in args.levels.split(","))
+    work = Workload(*sizes, levels, args.seed, not args.no_logprobs)
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -385,7 +400,7 @@ def main() -> None:
     log(
         f"serve_throughput: preset={args.preset} checkpoint={model_dir} requests={work.requests} "
         f"prompts={work.prompt_min}-{work.prompt_max} output={work.output_tokens} "
-        f"levels={work.levels} seed={work.seed} cores={os.cpu_count()} "
+        f"levels={work.levels} seed={work.seed} logprobs={work.logprobs} cores={os.cpu_count()} "
         f"load1={os.getloadavg()[0]:.1f}"
     )
     by_engine: dict[str, dict[int, LevelResult]] = {}
