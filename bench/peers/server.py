@@ -28,6 +28,9 @@ HOST = "127.0.0.1"
 _VLLM_POOL_RE = re.compile(r"CPU KV cache size:\s*([\d,]+)\s*tokens")
 _LLAMA_N_CTX_RE = re.compile(r"llama_context:\s+n_ctx\s*=\s*(\d+)")
 _LLAMA_N_CTX_SEQ_RE = re.compile(r"llama_context:\s+n_ctx_seq\s*=\s*(\d+)")
+_LLAMA_SLOTS_RE = re.compile(
+    r"n_slots\s*=\s*(\d+),\s*n_ctx_slot\s*=\s*(\d+),\s*kv_unified\s*=\s*'?(true|false)"
+)
 
 
 class PeerStartError(RuntimeError):
@@ -47,16 +50,51 @@ def vllm_pool_tokens(log: str) -> int | None:
     return int(found[-1].replace(",", "")) if found else None
 
 
+@dataclass(frozen=True, slots=True)
+class LlamaSlotLayout:
+    """llama-server's start-up line: `n_slots = N, n_ctx_slot = C, kv_unified = 'B'`.
+
+    With kv_unified the slots share ONE pool of n_ctx_slot tokens (the pool trap); without
+    it each slot owns n_ctx_slot. This is the only place the mode is told.
+    """
+
+    n_slots: int
+    n_ctx_slot: int
+    kv_unified: bool
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.n_ctx_slot if self.kv_unified else self.n_ctx_slot * self.n_slots
+
+
+def llamacpp_slot_layout(log: str) -> LlamaSlotLayout | None:
+    """The slot layout llama-server printed at start-up, or None."""
+    found = _LLAMA_SLOTS_RE.findall(log)
+    if not found:
+        return None
+    n_slots, n_ctx_slot, unified = found[-1]
+    return LlamaSlotLayout(int(n_slots), int(n_ctx_slot), unified == "true")
+
+
 def llamacpp_n_ctx(log: str) -> int | None:
-    """The context (KV pool, all slots together) llama.cpp allocated ("n_ctx = N"), or None."""
+    """The context (KV pool, all slots together) llama.cpp allocated, or None.
+
+    From `llama_context: n_ctx = N` when verbose logging printed it, else from the slot layout.
+    """
     found = _LLAMA_N_CTX_RE.findall(log)
-    return int(found[-1]) if found else None
+    if found:
+        return int(found[-1])
+    layout = llamacpp_slot_layout(log)
+    return layout.pool_tokens if layout else None
 
 
 def llamacpp_n_ctx_seq(log: str) -> int | None:
-    """The per-sequence context llama.cpp printed ("n_ctx_seq = N"), or None."""
+    """The per-sequence (per-slot) context llama.cpp printed, or None."""
     found = _LLAMA_N_CTX_SEQ_RE.findall(log)
-    return int(found[-1]) if found else None
+    if found:
+        return int(found[-1])
+    layout = llamacpp_slot_layout(log)
+    return layout.n_ctx_slot if layout else None
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:

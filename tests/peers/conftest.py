@@ -64,11 +64,17 @@ def vllm_peer(
 
 
 @pytest.fixture(scope="session")
+def llamacpp_cache() -> PeerCache:
+    """The peer cache, with llama.cpp installed (else skip, or fail under KVFENCE_REQUIRE_PEERS)."""
+    return _need("llamacpp")
+
+
+@pytest.fixture(scope="session")
 def llamacpp_peer(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[PeerServer]:
     """One llama-server for the session: -c 4096 -np 2 (2,048 tokens per slot), --metrics."""
-    cache = _need("llamacpp")
+    cache = request.getfixturevalue("llamacpp_cache")
     with start_llamacpp(
         request.getfixturevalue("tiny_checkpoint"),
         ctx_size=LLAMA_CTX,

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from bench.peers import PeerServer, llamacpp_n_ctx
+from bench.peers import (
+    LlamaSlotLayout,
+    PeerCache,
+    PeerServer,
+    llamacpp_n_ctx,
+    llamacpp_slot_layout,
+    start_llamacpp,
+)
 from peer_helpers import (
     LLAMA_CTX,
     LLAMA_SLOTS,
@@ -26,7 +35,26 @@ def test_props_report_per_slot_ctx_and_slots(llamacpp_peer: PeerServer) -> None:
     assert props["total_slots"] == LLAMA_SLOTS
     # With -np N each slot owns n_ctx / N of the pool the log reports.
     assert per_slot == LLAMA_CTX // LLAMA_SLOTS
-    assert llamacpp_n_ctx(llamacpp_peer.log_text()) == per_slot * props["total_slots"]
+    layout = llamacpp_slot_layout(llamacpp_peer.log_text())
+    assert layout == LlamaSlotLayout(LLAMA_SLOTS, per_slot, kv_unified=False)
+    assert llamacpp_n_ctx(llamacpp_peer.log_text()) == per_slot * props["total_slots"] == LLAMA_CTX
+
+
+def test_automatic_slots_share_one_pool_each_reports_whole(
+    llamacpp_cache: PeerCache, tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    # The pool trap (PEERS.md): without -np every slot reports the whole -c, and the log alone
+    # says they share it. llama-server starts in about a second, so a second one is cheap.
+    with start_llamacpp(
+        tiny_checkpoint, ctx_size=LLAMA_CTX, threads=2, log_dir=tmp_path, cache=llamacpp_cache
+    ) as auto:
+        props = get_json(auto, "/props")
+        assert props["default_generation_settings"]["n_ctx"] == LLAMA_CTX
+        assert props["total_slots"] > 1
+        layout = llamacpp_slot_layout(auto.log_text())
+        assert layout is not None and layout.kv_unified
+        assert layout.n_slots == props["total_slots"]
+        assert layout.pool_tokens == LLAMA_CTX  # shared, not total_slots x n_ctx
 
 
 def test_slots_and_models_agree_with_props(llamacpp_peer: PeerServer) -> None:
@@ -44,7 +72,7 @@ def test_overlong_prompt_is_400_exceed_context_size(llamacpp_peer: PeerServer) -
         {"model": llamacpp_peer.model, "prompt": token_ids(per_slot + 10), "max_tokens": 1},
     )
     assert status == 400, body
-    error = body["error"]
+    error = body.get("error", body)  # OpenAI-style envelope around llama.cpp's error
     assert error["type"] == "exceed_context_size_error"
     assert error["n_ctx"] == per_slot
     assert error["n_prompt_tokens"] >= per_slot + 10
