@@ -88,3 +88,13 @@ def test_llamacpp_claims_only_the_per_slot_context(
     assert facts.extra["total_slots"].value == LLAMA_SLOTS
     res = run_check(CapacityCheck(), ctx, target)
     assert res.verdict is Verdict.FAIL  # a slot's pool equals its context: no headroom
+
+
+def test_llamacpp_boundary_and_canary(llamacpp_peer: PeerServer, ctx: AuditContext) -> None:
+    target, _ = _detect(ctx, llamacpp_peer)
+    boundary = run_check(BoundaryCheck(), ctx, target)
+    statuses = {r["rung"]: r["status"] for r in boundary.evidence["rungs"]}
+    assert boundary.verdict is Verdict.PASS, (boundary.summary, statuses)
+    assert statuses["at limit"] == 200 and statuses["limit + 1"] == 400
+    canary = run_check(CanaryCheck(), ctx, target)
+    assert canary.verdict is Verdict.PASS, canary.summary
