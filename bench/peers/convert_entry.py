@@ -16,7 +16,7 @@ from pathlib import Path
 def main() -> None:
     convert_dir, pre, *args = sys.argv[1:]
     sys.path[:0] = [convert_dir, str(Path(convert_dir) / "gguf-py")]
-    from conversion import base  # type: ignore[import-not-found]
+    from conversion import base  # llama.cpp tree, on sys.path only inside its venv
 
     known = base.TextModel.get_vocab_base_pre
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 import time
@@ -39,15 +40,23 @@ def _json(url: str) -> dict:
 
 
 def _cache_config(url: str) -> str:
+    """The pool labels of vllm:cache_config_info (num_gpu_blocks is the CPU pool on CPU)."""
     _, body = http_get(url + "/metrics")
     lines = [ln for ln in body.decode().splitlines() if ln.startswith("vllm:cache_config_info")]
-    return lines[0] if lines else "(no vllm:cache_config_info)"
+    if not lines:
+        return "(no vllm:cache_config_info)"
+    keys = ("num_gpu_blocks", "block_size", "kv_cache_size_tokens", "kv_cache_memory_bytes")
+    found = dict(re.findall(r'(\w+)="([^"]*)"', lines[0]))
+    return " ".join(f"{k}={found.get(k)}" for k in keys)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--default-pool", action="store_true", help="also start vLLM with its own 1 GiB sizing"
+    )
     args = ap.parse_args()
 
     t0 = time.monotonic()
@@ -81,6 +90,7 @@ def main() -> None:
                     f"{vllm_pool_tokens(vl.log_text())} tokens; {_cache_config(vl.url)}"
                 )
                 results.append(f"vllm_ready_s={vl.ready_s:.1f}")
+        if not args.skip_vllm and args.default_pool:
             with start_vllm(ckpt) as vl:
                 print(
                     f"vLLM (default 1 GiB pool) ready in {vl.ready_s:.1f} s; log pool="
