@@ -23,8 +23,9 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests bench
 	$(BIN)/mypy
 
-test: lint
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+# The whole suite, peers and browser included: installed here (cached), so none of it skips.
+test: lint peers browser
+	KVFENCE_REQUIRE_PEERS=1 KVFENCE_REQUIRE_BROWSER=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The real peer engines (vLLM CPU, llama-server) for tests/peers, cached outside the clone
 # in $KVFENCE_PEER_CACHE (default /var/cache/kvfence-peers): ~20 min cold, seconds warm.

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import json
 import sys
+import tempfile
+from pathlib import Path
 from types import MappingProxyType
 
 import click
@@ -58,6 +61,44 @@ def main(ctx: click.Context) -> None:
     if ctx.invoked_subcommand is None:
         click.echo(f"kvfence {__version__}")
         ctx.invoke(gate)
+        sys.exit(_demo(ctx))
+
+
+# The checks the Workers AI incident breaks; the others (prefix sharing, counters, ...)
+# are not expected to fire on it and are shown for what they are.
+INCIDENT_CHECKS = ("capacity", "boundary", "canary")
+
+
+def _demo(ctx: click.Context) -> int:
+    """The main job: the incident lab and the hardened engine audited side by side.
+
+    Exit 0 when the demo shows what it should: the lab fails every check the
+    incident breaks, and the hardened engine fails none. (`kvfence audit`
+    itself exits 1 here, honestly: a leak was observed on one of its targets.)
+    """
+    out = Path(tempfile.mkdtemp(prefix="kvfence-demo-"))
+    click.echo(
+        "\nauditing the embedded default: the workers-ai-2026 lab and the hardened engine ..."
+    )
+    audit = main.get_command(ctx, "audit")
+    assert audit is not None
+    try:
+        ctx.invoke(audit, html_out=str(out / "report.html"), json_out=str(out / "report.json"))
+    except SystemExit as e:  # the audit's verdict is its exit code; the demo reads the JSON instead
+        click.echo(f"(kvfence audit exited {e.code})")
+    report = json.loads((out / "report.json").read_text())
+    lab, hardened = (t["url"] for t in report["targets"])
+    verdict = {(r["target"], r["check"]): r["verdict"] for r in report["results"]}
+    lab_red = [c for c in INCIDENT_CHECKS if verdict.get((lab, c)) == "fail"]
+    hardened_red = [c for (t, c), v in verdict.items() if t == hardened and v == "fail"]
+    click.echo(f"workers-ai-2026 lab fails: {', '.join(lab_red) or 'nothing'}")
+    click.echo(f"hardened engine fails: {', '.join(hardened_red) or 'nothing'}")
+    click.echo(f"HTML report: {out / 'report.html'}")
+    if len(lab_red) == len(INCIDENT_CHECKS) and not hardened_red:
+        click.echo("demo as expected: the audit catches the incident and passes the fix")
+        return 0
+    click.echo("demo NOT as expected")
+    return 1
 
 
 @main.command()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -59,11 +60,18 @@ def test_bad_input_is_a_usage_error_not_a_verdict() -> None:
     assert run("gate", "--pool-tokens", "10", "--headroom", "0.5")[0] == 2
 
 
-def test_bare_kvfence_prints_version_and_the_gate_report() -> None:
+@pytest.mark.slow
+def test_bare_kvfence_is_the_main_job() -> None:
+    """The README's main command: version, the gate report, then the embedded audit demo
+    (the workers-ai-2026 lab red on the checks the incident breaks, the fix green)."""
     code, out, _ = run()
-    assert code == 0
     assert out.splitlines()[0] == f"kvfence {__version__}"
     assert "capacity gate PASS" in out and "bytes/token" in out
+    assert "workers-ai-2026 lab fails: capacity, boundary, canary" in out, out
+    assert "hardened engine fails: nothing" in out, out
+    assert code == 0 and "demo as expected" in out
+    html = Path(out.split("HTML report: ")[-1].split()[0])
+    assert html.read_text().startswith("<!doctype html>")
 
 
 @pytest.mark.slow

@@ -30,7 +30,15 @@ KEY_A = "embedded-tenant-a-key-0001"
 KEY_B = "embedded-tenant-b-key-0002"
 # The lab's scale: context 512; the incident's prefill pool is 21 pages x 16 = 336 tokens
 # (0.66 x context, like 681,280 / 1,048,576); the fix holds 64 pages = 2 x context.
-COMMON = ("--model-kind", "mirror", "--context-length", "512", "--page-size", "16")
+COMMON = (
+    "--disaggregated",
+    "--model-kind",
+    "mirror",
+    "--context-length",
+    "512",
+    "--page-size",
+    "16",
+)
 INCIDENT = (
     "--kv-pages", "prefill=21,decode=64",
     "--lab-fault", "undersized-pool", "--lab-fault", "abort-not-terminal",
