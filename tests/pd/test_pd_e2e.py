@@ -234,6 +234,8 @@ def test_serve_disaggregated_command(pd_checkpoint: Path) -> None:
         out, _ = proc.communicate(timeout=60)
     assert "stopping" in out
     assert (
-        subprocess.run(["pgrep", "-f", "--", f"--model {pd_checkpoint}"], capture_output=True).returncode
+        subprocess.run(
+            ["pgrep", "-f", "--", f"--model {pd_checkpoint}"], capture_output=True
+        ).returncode
         == 1
     )
