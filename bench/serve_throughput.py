@@ -50,6 +50,7 @@ from bench.peers import (  # noqa: E402
     PeerCache,
     PeerServer,
     free_port,
+    launch_server,
     start_llamacpp,
     start_vllm,
 )
@@ -298,32 +299,9 @@ def start_kvfence(model_dir: Path, log_dir: Path) -> PeerServer:
         "--context-length",
         str(CONTEXT),
     ]
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"kvfence-{port}-{time.strftime('%Y%m%dT%H%M%S')}.log"
-    with log_path.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    server = PeerServer(
-        name="kvfence",
-        url=f"http://127.0.0.1:{port}",
-        port=port,
-        model=model_dir.name,
-        log_path=log_path,
-        cmd=cmd,
-        process=proc,
-        ready_path="/health",
+    return launch_server(
+        "kvfence", cmd, dict(os.environ), port, model_dir.name, "/health", log_dir, 300.0
     )
-    try:
-        server.ready_s = server.wait_ready(300.0)
-    except BaseException:
-        server.stop(grace=5.0)
-        raise
-    return server
 
 
 @contextmanager

@@ -197,7 +197,7 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
-def _launch(
+def launch_server(
     name: str,
     cmd: list[str],
     env: dict[str, str],
@@ -207,6 +207,7 @@ def _launch(
     log_dir: Path,
     ready_timeout: float,
 ) -> PeerServer:
+    """Start `cmd` in its own session (dying with its starter), log to `log_dir`, wait for `ready_path`."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}-{port}-{time.strftime('%Y%m%dT%H%M%S')}.log"
     with log_path.open("wb") as log:
@@ -305,7 +306,7 @@ def start_vllm(
     if dtype is not None:
         cmd += ["--dtype", dtype]
     cmd += list(extra_args)
-    return _launch(
+    return launch_server(
         "vllm", cmd, env, port, served, "/v1/models", log_dir or run / "logs", ready_timeout
     )
 
@@ -357,7 +358,7 @@ def start_llamacpp(
     if threads is not None:
         cmd += ["-t", str(threads)]
     cmd += list(extra_args)
-    return _launch(
+    return launch_server(
         "llamacpp",
         cmd,
         _clean_env(),
