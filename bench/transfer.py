@@ -27,10 +27,10 @@ from multiprocessing.connection import Connection
 import numpy as np
 import torch
 
-from kvfence.engine.geometry import KVGeometry
 from kvfence.engine.messages import PageRef, TransferDone
-from kvfence.engine.pool import KVPool
 from kvfence.engine.reconcile import Reservation
+from kvfence.kv.geometry import KVGeometry
+from kvfence.kv.pool import KVPool
 from kvfence.serve.transfer import Landed, ManifestFields, framing, get_transport
 from kvfence.serve.transfer.listener import tune
 

@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from kvfence.engine.geometry import KVGeometry
-from kvfence.engine.pool import FREE_OWNER, BatchPages, KVPool
+from kvfence.kv.geometry import KVGeometry
+from kvfence.kv.pool import FREE_OWNER, BatchPages, KVPool
 
 GEOMETRY = KVGeometry(num_layers=32, num_kv_heads=8, head_dim=128, page_size=16, dtype="bfloat16")
 

@@ -12,7 +12,6 @@ from types import MappingProxyType
 import click
 
 from kvfence import __version__
-from kvfence.engine.geometry import KVGeometry
 from kvfence.engine.sizing import (
     DEFAULT_HEADROOM,
     CapacityGateError,
@@ -20,6 +19,7 @@ from kvfence.engine.sizing import (
     capacity_gate,
     pool_from_budget,
 )
+from kvfence.kv.geometry import KVGeometry
 
 # The built-in tiny geometry (the checkpoint `kvfence make-model` writes).
 TINY_GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=32, page_size=16, dtype="float32")

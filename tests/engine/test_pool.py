@@ -7,9 +7,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kvfence.engine.faults import Fault, FaultSet
-from kvfence.engine.geometry import KVGeometry
-from kvfence.engine.pool import (
+from kvfence.faults import Fault, FaultSet
+from kvfence.kv.geometry import KVGeometry
+from kvfence.kv.pool import (
     FREE_OWNER,
     BatchPages,
     IsolationViolation,

@@ -36,9 +36,10 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvfence.engine.faults import Fault, FaultSet
-from kvfence.engine.geometry import KVGeometry
-from kvfence.engine.pool import (
+from kvfence.engine.request import IllegalTransition, Request, RequestError, RequestState
+from kvfence.faults import Fault, FaultSet
+from kvfence.kv.geometry import KVGeometry
+from kvfence.kv.pool import (
     FREE_OWNER,
     BatchPages,
     IsolationViolation,
@@ -47,7 +48,6 @@ from kvfence.engine.pool import (
     PageState,
     PoolExhausted,
 )
-from kvfence.engine.request import IllegalTransition, Request, RequestError, RequestState
 
 GEOM = KVGeometry(num_layers=1, num_kv_heads=1, head_dim=1, page_size=4, dtype="float32")
 PAGE = GEOM.page_size

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from kvfence.engine.geometry import KVGeometry
 from kvfence.engine.sizing import (
     DEFAULT_HEADROOM,
     CapacityGateError,
@@ -13,6 +12,7 @@ from kvfence.engine.sizing import (
     capacity_gate,
     pool_from_budget,
 )
+from kvfence.kv.geometry import KVGeometry
 
 INCIDENT_POOL = 681_280
 CONTEXT = 1_048_576

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from kvfence.engine.backend import GenerateWork
 from kvfence.engine.config import EngineConfig
-from kvfence.engine.faults import FaultSet
 from kvfence.engine.messages import SamplingParams
 from kvfence.engine.pipeline import CollectingSink, LocalPipeline, Result
+from kvfence.faults import FaultSet
 from kvfence.model.base import CausalLM
 from kvfence.model.config import ModelConfig
 from kvfence.model.loader import load_model

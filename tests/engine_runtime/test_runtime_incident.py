@@ -16,10 +16,10 @@ import pytest
 from runtime_helpers import Models, assert_quiet_and_empty, greedy, run, submit, work
 
 from kvfence.engine.decode import DecodeEngine
-from kvfence.engine.faults import Fault, FaultSet
 from kvfence.engine.pipeline import InProcessCopy, LocalPipeline
-from kvfence.engine.pool import KVPool
 from kvfence.engine.prefill import OutboundTransfer
+from kvfence.faults import Fault, FaultSet
+from kvfence.kv.pool import KVPool
 
 SENTINEL = list(range(300, 360))  # tenant A's 60 tokens: fits the 64-token prefill pool
 OVERLONG = list(range(100, 200))  # tenant B's 100 tokens: over the prefill pool

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from runtime_helpers import PAGE, Models, assert_quiet_and_empty, greedy, run, submit, work
 
-from kvfence.engine.faults import Fault, FaultSet
-from kvfence.engine.geometry import KVGeometry
-from kvfence.engine.pool import KVPool
 from kvfence.engine.prefix_cache import PrefixCache
+from kvfence.faults import Fault, FaultSet
+from kvfence.kv.geometry import KVGeometry
+from kvfence.kv.pool import KVPool
 
 PROMPT = list(
     range(40, 104)

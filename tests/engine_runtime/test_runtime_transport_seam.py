@@ -5,10 +5,10 @@ from __future__ import annotations
 from runtime_helpers import PAGE, Models, assert_quiet_and_empty, greedy, run, work
 
 from kvfence.engine.decode import DecodeEngine
-from kvfence.engine.faults import FaultSet
 from kvfence.engine.pipeline import LocalPipeline
-from kvfence.engine.pool import KVPool
 from kvfence.engine.prefill import OutboundTransfer
+from kvfence.faults import FaultSet
+from kvfence.kv.pool import KVPool
 from kvfence.serve.transfer.base import Landed, ManifestFields, TransferRefused
 from kvfence.serve.transfer.inprocess import InProcessTransport
 

@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfence.engine.faults import FaultSet
 from kvfence.engine.pipeline import LocalPipeline
+from kvfence.faults import FaultSet
 from kvfence.lab.profiles import Scale
 from kvfence.lab.scenario import Exchange as LabExchange
 from kvfence.lab.scenario import LabServer, find_leak, lab_server

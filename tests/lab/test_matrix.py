@@ -7,7 +7,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from kvfence.cli import main
-from kvfence.engine.faults import Fault
+from kvfence.faults import Fault
 from kvfence.lab.matrix import run_matrix
 from kvfence.lab.scenario import Outcome
 

@@ -43,12 +43,12 @@ from switch_servers import (
 
 from kvfence.engine.backend import GenerateWork
 from kvfence.engine.config import EngineConfig
-from kvfence.engine.faults import Fault, FaultSet
 from kvfence.engine.messages import SamplingParams
 from kvfence.engine.pipeline import CollectingSink, LocalPipeline
-from kvfence.engine.pool import BatchPages, IsolationViolation, PageHandle
 from kvfence.engine.request import RequestState
 from kvfence.engine.sizing import CapacityGateError
+from kvfence.faults import Fault, FaultSet
+from kvfence.kv.pool import BatchPages, IsolationViolation, PageHandle
 from kvfence.model.loader import load_model
 from kvfence.serve.app import create_app
 from kvfence.serve.build import PoolSizes, build_local

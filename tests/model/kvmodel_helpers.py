@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvfence.engine.faults import FaultSet
-from kvfence.engine.pool import KVPool, PageHandle
+from kvfence.faults import FaultSet
+from kvfence.kv.pool import KVPool, PageHandle
 from kvfence.model.base import CausalLM
 from kvfence.model.batching import RowSpec, build_forward_batch
 from kvfence.model.config import ModelConfig

@@ -8,8 +8,8 @@ import pytest
 import torch
 from kvmodel_helpers import Seq, make_pool, new_seq, step
 
-from kvfence.engine.faults import Fault, FaultSet
-from kvfence.engine.pool import IsolationViolation, KVPool
+from kvfence.faults import Fault, FaultSet
+from kvfence.kv.pool import IsolationViolation, KVPool
 from kvfence.model.batching import RowSpec, build_forward_batch
 from kvfence.model.config import ModelConfig
 from kvfence.model.mirror import MirrorModel, decode_ids, encode_ids

@@ -9,8 +9,8 @@ import pytest
 import torch
 from kvmodel_helpers import make_pool, new_seq, step
 
-from kvfence.engine.faults import Fault, FaultSet
-from kvfence.engine.pool import IsolationViolation, KVPool
+from kvfence.faults import Fault, FaultSet
+from kvfence.kv.pool import IsolationViolation, KVPool
 from kvfence.model.attention import available_backends, gather, get_backend
 from kvfence.model.batching import RowSpec, build_forward_batch
 from kvfence.model.config import ModelConfig

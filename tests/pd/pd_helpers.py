@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from kvfence.engine.faults import FaultSet
+from kvfence.faults import FaultSet
 from kvfence.model.config import ModelConfig
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve.app import create_app

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from serve_helpers import IDLE, Served, serve
 
 from kvfence.cli import main
-from kvfence.engine.faults import Fault, FaultSet
 from kvfence.engine.sizing import CapacityGateError
+from kvfence.faults import Fault, FaultSet
 from kvfence.serve.app import create_app
 from kvfence.serve.build import PoolSizes, build_local
 from kvfence.serve.tenants import TenantRegistry

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from serve_helpers import IDLE, TENANTS, Served, serve
 
-from kvfence.engine.faults import Fault, FaultSet
+from kvfence.faults import Fault, FaultSet
 from kvfence.serve.build import PoolSizes
 
 

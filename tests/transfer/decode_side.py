@@ -11,9 +11,9 @@ from multiprocessing.connection import Connection
 
 from transfer_children import GEOM, PROMPT, Job, run_jobs, sender_process
 
-from kvfence.engine.faults import FaultSet
 from kvfence.engine.messages import TransferDone
 from kvfence.engine.reconcile import Reservation
+from kvfence.faults import FaultSet
 from kvfence.serve.transfer import Event, Landed, get_transport
 
 CTX = multiprocessing.get_context("spawn")

@@ -14,8 +14,8 @@ from decode_side import CTX, Decode, prefill
 from test_transports import job
 from transfer_children import GEOM, PROMPT, Job, dying_tcp_sender, source_pool
 
-from kvfence.engine.faults import Fault, FaultSet
-from kvfence.engine.pool import KVPool, PageHandle
+from kvfence.faults import Fault, FaultSet
+from kvfence.kv.pool import KVPool, PageHandle
 
 IN_PLACE = ["inprocess", pytest.param("shm", marks=pytest.mark.slow)]
 MARKER = 7.0  # the other owner's own KV

@@ -7,16 +7,16 @@ import dataclasses
 import pytest
 import torch
 
-from kvfence.engine.faults import Fault, FaultSet
-from kvfence.engine.geometry import KVGeometry
 from kvfence.engine.messages import PageRef, TransferManifest
-from kvfence.engine.pool import KVPool
 from kvfence.engine.reconcile import (
     Reservation,
     TransferMismatch,
     payload_checksum,
     reconcile,
 )
+from kvfence.faults import Fault, FaultSet
+from kvfence.kv.geometry import KVGeometry
+from kvfence.kv.pool import KVPool
 
 GEOM = KVGeometry(num_layers=3, num_kv_heads=2, head_dim=4, page_size=4)
 TOKENS = 30  # 8 pages

@@ -10,8 +10,8 @@ from decode_side import Decode, prefill
 from test_transports import job
 
 from kvfence.engine.messages import Abort, PageRef, TransferManifest, encode_message
-from kvfence.engine.pool import IsolationViolation
 from kvfence.engine.reconcile import TransferMismatch
+from kvfence.kv.pool import IsolationViolation
 from kvfence.serve.transfer import (
     KVTransport,
     TransportRegistry,

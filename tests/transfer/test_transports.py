@@ -10,8 +10,8 @@ import torch
 from decode_side import Decode, prefill
 from transfer_children import GEOM, PROMPT, Job, source_pool
 
-from kvfence.engine.faults import Fault, FaultSet
 from kvfence.engine.reconcile import Reservation, TransferMismatch, payload_checksum
+from kvfence.faults import Fault, FaultSet
 
 TRANSPORTS = [
     "inprocess",

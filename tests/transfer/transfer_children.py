@@ -17,9 +17,9 @@ from multiprocessing.connection import Connection
 import numpy as np
 import torch
 
-from kvfence.engine.geometry import KVGeometry
 from kvfence.engine.messages import PageRef, encode_message
-from kvfence.engine.pool import KVPool, PageHandle
+from kvfence.kv.geometry import KVGeometry
+from kvfence.kv.pool import KVPool, PageHandle
 from kvfence.serve.transfer import ManifestFields, TransferRefused, framing, get_transport
 from kvfence.serve.transfer.base import InPlaceSender, KVSender, Outgoing, PoolShape
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvfence.engine.pool import ScrubPolicy
+from kvfence.kv.pool import ScrubPolicy
 
 
 @dataclass(frozen=True, slots=True)

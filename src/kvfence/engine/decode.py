@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvfence.engine.config import EngineConfig
-from kvfence.engine.faults import Fault, FaultSet
 from kvfence.engine.messages import (
     Bootstrap,
     BootstrapReady,
@@ -34,7 +33,6 @@ from kvfence.engine.messages import (
     TokenChunk,
     TransferManifest,
 )
-from kvfence.engine.pool import FREE_OWNER, IsolationViolation, KVPool, PageHandle
 from kvfence.engine.reconcile import (
     Reservation,
     TransferMismatch,
@@ -46,6 +44,8 @@ from kvfence.engine.reconcile import (
 from kvfence.engine.request import Request, RequestError, RequestState
 from kvfence.engine.runner import ModelRunner, release_current
 from kvfence.engine.sampling import Sampler, SampleRow, TokenLogprobs, stop_reason
+from kvfence.faults import Fault, FaultSet
+from kvfence.kv.pool import FREE_OWNER, IsolationViolation, KVPool, PageHandle
 from kvfence.model.base import CausalLM
 from kvfence.model.batching import RowSpec
 

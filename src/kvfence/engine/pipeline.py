@@ -26,8 +26,6 @@ import torch
 from kvfence.engine.backend import BackendStats, GenerateWork, PoolInfo, Sink
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.decode import DecodeEngine, InboundWindow
-from kvfence.engine.faults import Fault, FaultSet
-from kvfence.engine.geometry import KVGeometry
 from kvfence.engine.messages import (
     Abort,
     Bootstrap,
@@ -38,9 +36,11 @@ from kvfence.engine.messages import (
     TokenChunk,
     TransferDone,
 )
-from kvfence.engine.pool import KVPool
 from kvfence.engine.prefill import OutboundTransfer, PrefillEngine, PrefillOutput
 from kvfence.engine.reconcile import payload_checksum
+from kvfence.faults import Fault, FaultSet
+from kvfence.kv.geometry import KVGeometry
+from kvfence.kv.pool import KVPool
 from kvfence.model.base import CausalLM
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvfence.engine.config import EngineConfig
-from kvfence.engine.faults import Fault, FaultSet
 from kvfence.engine.messages import (
     Abort,
     ErrorInfo,
@@ -31,11 +30,12 @@ from kvfence.engine.messages import (
     TransferDone,
     TransferManifest,
 )
-from kvfence.engine.pool import IsolationViolation, KVPool, PageHandle
 from kvfence.engine.prefix_cache import PrefixCache, PrefixHit
 from kvfence.engine.request import Request, RequestError, RequestState
 from kvfence.engine.runner import ModelRunner, release_current
 from kvfence.engine.sampling import Sampler, SampleRow, TokenLogprobs
+from kvfence.faults import Fault, FaultSet
+from kvfence.kv.pool import IsolationViolation, KVPool, PageHandle
 from kvfence.model.base import CausalLM
 from kvfence.model.batching import RowSpec
 

@@ -28,8 +28,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvfence.engine.faults import Fault, FaultSet
-from kvfence.engine.pool import KVPool, PageHandle
+from kvfence.faults import Fault, FaultSet
+from kvfence.kv.pool import KVPool, PageHandle
 
 LAB_SHARED_NAMESPACE = "*shared-by-lab-fault*"
 

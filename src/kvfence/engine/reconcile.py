@@ -29,9 +29,9 @@ import numpy as np
 import torch
 import xxhash
 
-from kvfence.engine.faults import Fault
 from kvfence.engine.messages import PageRef, TransferManifest
-from kvfence.engine.pool import KVPool, PageHandle, PageState
+from kvfence.faults import Fault
+from kvfence.kv.pool import KVPool, PageHandle, PageState
 
 CHECKSUM_ALGO = "xxh3-64"
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvfence.engine.pool import BatchPages, IsolationViolation, KVPool, PageHandle, PageState
+from kvfence.kv.pool import BatchPages, IsolationViolation, KVPool, PageHandle, PageState
 from kvfence.model.base import CausalLM
 from kvfence.model.batching import RowSpec, build_forward_batch
 

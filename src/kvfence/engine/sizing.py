@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvfence.engine.geometry import KVGeometry
+from kvfence.kv.geometry import KVGeometry
 
 DEFAULT_HEADROOM = 1.25
 

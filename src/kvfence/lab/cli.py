@@ -9,7 +9,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from kvfence.engine.faults import FAULT_INFO, Fault
+from kvfence.faults import FAULT_INFO, Fault
 from kvfence.lab.matrix import MatrixRow, run_matrix
 from kvfence.lab.profiles import PROFILES, get_profile
 from kvfence.lab.replay import ReplaySide, run_replay

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfence.engine.faults import FAULT_INFO, Fault, FaultSet
+from kvfence.faults import FAULT_INFO, Fault, FaultSet
 from kvfence.lab.profiles import INCIDENT_FAULTS
 from kvfence.lab.scenario import Outcome, ScenarioResult, run_incident
 

@@ -1,6 +1,6 @@
 """Incident profiles: named sets of fault switches plus the scaled-down geometry they need.
 
-The switches themselves live in one place (`kvfence.engine.faults`); a profile
+The switches themselves live in one place (`kvfence.faults`); a profile
 only chooses some of them. `workers-ai-2026` is the combination that leaked in
 August 2026: an undersized prefill pool with the gate skipped, a reject path
 that leaves the request alive on a 1-token placeholder, decode trusting the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvfence.engine.faults import Fault, FaultSet
+from kvfence.faults import Fault, FaultSet
 
 
 @dataclass(frozen=True, slots=True)

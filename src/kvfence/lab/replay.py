@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfence.engine.faults import FaultSet
+from kvfence.faults import FaultSet
 from kvfence.lab.profiles import Profile
 from kvfence.lab.scenario import Outcome, ScenarioResult, run_incident
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from kvfence.engine.faults import Fault, FaultSet
+from kvfence.faults import Fault, FaultSet
 from kvfence.lab.profiles import Scale
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve.app import create_app

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvfence.engine.faults import Fault
-from kvfence.engine.pool import BatchPages, IsolationViolation, KVPool
+from kvfence.faults import Fault
+from kvfence.kv.pool import BatchPages, IsolationViolation, KVPool
 from kvfence.model.base import ForwardBatch
 
 # ---- the step prologue (I1) ---------------------------------------------------------------

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfence.engine.pool import BatchPages, KVPool
+from kvfence.kv.pool import BatchPages, KVPool
 
 
 @dataclass(frozen=True, slots=True)

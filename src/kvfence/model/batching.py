@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfence.engine.pool import FREE_OWNER, BatchPages, PageHandle
+from kvfence.kv.pool import FREE_OWNER, BatchPages, PageHandle
 from kvfence.model.base import ForwardBatch
 
 

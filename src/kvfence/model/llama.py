@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from kvfence.engine.pool import KVPool
+from kvfence.kv.pool import KVPool
 from kvfence.model.attention import AttentionBackend, AttentionPlan, begin_step, get_backend
 from kvfence.model.base import CausalLM, ForwardBatch
 from kvfence.model.config import ModelConfig, RopeScaling

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 from safetensors.torch import load_file
 
-from kvfence.engine.geometry import parse_dtype
+from kvfence.kv.geometry import parse_dtype
 from kvfence.model.base import CausalLM
 from kvfence.model.config import ModelConfig
 from kvfence.model.llama import LlamaModel

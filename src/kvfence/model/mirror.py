@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kvfence.engine.pool import KVPool
+from kvfence.kv.pool import KVPool
 from kvfence.model.attention import AttentionBackend, begin_step, gather, get_backend, token_rows
 from kvfence.model.base import CausalLM, ForwardBatch
 from kvfence.model.config import ModelConfig

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvfence.engine.config import EngineConfig
-from kvfence.engine.faults import FaultSet
-from kvfence.engine.geometry import KVGeometry
 from kvfence.engine.pipeline import LocalPipeline
-from kvfence.engine.pool import ScrubPolicy
 from kvfence.engine.sizing import DEFAULT_HEADROOM, MemoryBudget, pool_from_budget
+from kvfence.faults import FaultSet
+from kvfence.kv.geometry import KVGeometry
+from kvfence.kv.pool import ScrubPolicy
 from kvfence.model.loader import LoadedModel, load_model
 from kvfence.serve.config import ServeConfig
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import click
 import torch
 
-from kvfence.engine.faults import FaultSet
-from kvfence.engine.pool import ScrubPolicy
 from kvfence.engine.sizing import DEFAULT_HEADROOM, CapacityGateError
+from kvfence.faults import FaultSet
+from kvfence.kv.pool import ScrubPolicy
 from kvfence.model.loader import MODEL_KINDS
 from kvfence.model.tiny import default_checkpoint_dir
 from kvfence.serve.app import create_app

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvfence.engine.backend import PoolInfo
-from kvfence.engine.faults import Fault, FaultSet
 from kvfence.engine.sizing import DEFAULT_HEADROOM, GateReport, capacity_gate
+from kvfence.faults import Fault, FaultSet
 
 
 @dataclass(frozen=True, slots=True)

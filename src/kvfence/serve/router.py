@@ -26,8 +26,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvfence.engine.backend import Backend, GenerateWork
-from kvfence.engine.faults import Fault
 from kvfence.engine.messages import ErrorInfo, Failure, MessageError, SamplingParams, TokenChunk
+from kvfence.faults import Fault
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve import protocol
 from kvfence.serve.config import Capacity, ServeConfig

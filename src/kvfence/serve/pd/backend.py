@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 import zmq
 
 from kvfence.engine.backend import BackendStats, GenerateWork, PoolInfo, Sink
-from kvfence.engine.faults import Fault, FaultSet
 from kvfence.engine.messages import (
     Abort,
     Bootstrap,
@@ -38,6 +37,7 @@ from kvfence.engine.messages import (
     TransferDone,
     WorkerStatus,
 )
+from kvfence.faults import Fault, FaultSet
 from kvfence.serve.channel import Inbox, Outbox
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from kvfence.engine.faults import FaultSet
+from kvfence.faults import FaultSet
 from kvfence.serve.pd.launch import RouterSpec, run_disaggregated, run_router
 from kvfence.serve.pd.workers import WorkerSpec, run_worker
 from kvfence.serve.tenants import TenantRegistry

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvfence.engine.faults import FaultSet
 from kvfence.engine.sizing import CapacityGateError
+from kvfence.faults import FaultSet
 from kvfence.model.config import ModelConfig
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve.app import create_app

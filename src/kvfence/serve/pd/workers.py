@@ -27,7 +27,6 @@ import zmq
 
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.decode import DecodeEngine
-from kvfence.engine.faults import FaultSet
 from kvfence.engine.messages import (
     Abort,
     Bootstrap,
@@ -38,9 +37,10 @@ from kvfence.engine.messages import (
     TransferDone,
     WorkerStatus,
 )
-from kvfence.engine.pool import KVPool, PageHandle, ScrubPolicy
 from kvfence.engine.prefill import OutboundTransfer, PrefillEngine
 from kvfence.engine.request import RequestState
+from kvfence.faults import FaultSet
+from kvfence.kv.pool import KVPool, PageHandle, ScrubPolicy
 from kvfence.model.loader import LoadedModel, load_model
 from kvfence.serve.build import PoolSizes
 from kvfence.serve.channel import Inbox, Outbox

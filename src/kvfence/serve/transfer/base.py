@@ -61,9 +61,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from kvfence.engine.geometry import KVGeometry
 from kvfence.engine.messages import PageRef, TransferDone, TransferManifest
-from kvfence.engine.pool import KVPool, PageHandle
 from kvfence.engine.reconcile import (
     Reservation,
     StreamChecksum,
@@ -72,6 +70,8 @@ from kvfence.engine.reconcile import (
     payload_segments,
     reconcile,
 )
+from kvfence.kv.geometry import KVGeometry
+from kvfence.kv.pool import KVPool, PageHandle
 
 
 class TransferRefused(Exception):

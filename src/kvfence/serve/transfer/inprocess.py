@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvfence.engine.pool import KVPool
 from kvfence.engine.reconcile import byte_views
+from kvfence.kv.pool import KVPool
 from kvfence.serve.transfer.base import (
     InPlaceSender,
     KVReceiver,

@@ -14,7 +14,7 @@ import threading
 from abc import abstractmethod
 from typing import Any
 
-from kvfence.engine.pool import KVPool
+from kvfence.kv.pool import KVPool
 from kvfence.serve.transfer import framing
 from kvfence.serve.transfer.base import KVReceiver, PoolShape, TransportClosed
 

@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from kvfence.engine.geometry import KVGeometry
 from kvfence.engine.messages import MessageError, TransferManifest, decode_message, encode_message
-from kvfence.engine.pool import KVPool
 from kvfence.engine.reconcile import byte_views
+from kvfence.kv.geometry import KVGeometry
+from kvfence.kv.pool import KVPool
 from kvfence.serve.transfer import framing
 from kvfence.serve.transfer.base import (
     InPlaceSender,

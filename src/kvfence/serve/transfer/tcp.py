@@ -17,8 +17,8 @@ import logging
 import socket
 
 from kvfence.engine.messages import MessageError, TransferManifest, decode_message, encode_message
-from kvfence.engine.pool import KVPool
 from kvfence.engine.reconcile import StreamChecksum, byte_views, payload_bytes
+from kvfence.kv.pool import KVPool
 from kvfence.serve.transfer import framing
 from kvfence.serve.transfer.base import (
     KVSender,

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfence.engine.faults import Fault, FaultSet
-from kvfence.engine.geometry import KVGeometry
+from kvfence.faults import Fault, FaultSet
+from kvfence.kv.geometry import KVGeometry
 
 FREE_OWNER = 0
 
