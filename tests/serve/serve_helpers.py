@@ -103,11 +103,14 @@ def serve(
     *,
     kind: str = "mirror",
     tenants: TenantRegistry | None = None,
+    request_log: Path | None = None,
     **build: Any,
 ) -> Iterator[Served]:
     parts = build_local(checkpoint, kind=kind, **build)
     registry = tenants or TenantRegistry.generate(TENANTS)
-    app = create_app(parts.pipeline, parts.loaded.tokenizer, parts.config, registry)
+    app = create_app(
+        parts.pipeline, parts.loaded.tokenizer, parts.config, registry, request_log=request_log
+    )
     parts.pipeline.start()
     try:
         with ServerThread(app) as srv, httpx.Client(timeout=60) as http:

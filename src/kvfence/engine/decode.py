@@ -125,6 +125,7 @@ class _Seq:
     last_token: int = 0  # the token fed to the next step
     num_generated: int = 0
     cached_tokens: int = 0
+    prefill_s: float = 0.0  # reported once, on the first chunk
 
 
 class DecodeEngine:
@@ -259,6 +260,7 @@ class DecodeEngine:
             seq.context = manifest.num_tokens
         seq.req.advance(RequestState.DECODING)
         seq.cached_tokens = manifest.cached_tokens
+        seq.prefill_s = manifest.prefill_s
         self.running.append(seq)
         self._emit(seq, manifest.first_token, manifest.first_logprobs)
 
@@ -374,6 +376,7 @@ class DecodeEngine:
                 (logprobs,) if logprobs else (),
                 finish_reason=reason,
                 cached_tokens=seq.cached_tokens,
+                prefill_s=seq.prefill_s if seq.num_generated == 1 else 0.0,
             )
         )
         if reason is not None:

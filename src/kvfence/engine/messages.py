@@ -120,6 +120,7 @@ class TransferManifest:
     first_token: int
     first_logprobs: tuple[tuple[int, float], ...] = ()
     cached_tokens: int = 0
+    prefill_s: float = 0.0  # engine-side prefill time (signal 3); 0.0 when not measured
     version: int = PROTOCOL_VERSION
 
 
@@ -130,6 +131,7 @@ class TokenChunk:
     logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
     finish_reason: str | None = None
     cached_tokens: int = 0
+    prefill_s: float = 0.0  # set on a request's first chunk: its prefill time on the engine
     version: int = PROTOCOL_VERSION
 
 

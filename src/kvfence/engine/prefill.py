@@ -17,6 +17,7 @@ sent for a reservation that expects many.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -63,6 +64,7 @@ class OutboundTransfer:
     first_token: int
     first_logprobs: TokenLogprobs
     cached_tokens: int
+    prefill_s: float = 0.0
 
     def manifest(self, checksum: str) -> TransferManifest:
         return TransferManifest(
@@ -75,6 +77,7 @@ class OutboundTransfer:
             first_token=self.first_token,
             first_logprobs=self.first_logprobs,
             cached_tokens=self.cached_tokens,
+            prefill_s=self.prefill_s,
         )
 
 
@@ -114,6 +117,7 @@ class _Seq:
     parent_key: int | None = None  # chain key of the last full page computed
     computed: int = 0
     cached_tokens: int = 0
+    started_s: float | None = None  # perf_counter at its first forward step (prefill time)
 
     @property
     def remaining(self) -> int:
@@ -327,6 +331,9 @@ class PrefillEngine:
         return rows
 
     def _run(self, plan: list[tuple[_Seq, int]]) -> None:
+        now = time.perf_counter()
+        for seq, _ in plan:
+            seq.started_s = now if seq.started_s is None else seq.started_s
         rows = self._rows(plan)
         try:
             logits = self.runner.forward(rows)
@@ -384,6 +391,7 @@ class PrefillEngine:
                 first_token=token,
                 first_logprobs=logprobs,
                 cached_tokens=seq.cached_tokens,
+                prefill_s=time.perf_counter() - (seq.started_s or time.perf_counter()),
             )
         )
 

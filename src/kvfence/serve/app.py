@@ -8,6 +8,7 @@ requires a tenant key unless the server runs in the explicit no-auth dev mode.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -22,6 +23,7 @@ from kvfence.serve.config import Capacity, ServeConfig, decide_capacity
 from kvfence.serve.info import server_info
 from kvfence.serve.metrics import RouterCounters, make_registry, render
 from kvfence.serve.protocol import ApiError
+from kvfence.serve.request_log import RequestLatency
 from kvfence.serve.router import INTERNAL_ERROR, Router, read_body
 from kvfence.serve.tenants import TenantRegistry
 
@@ -55,18 +57,20 @@ def create_app(
     tenants: TenantRegistry,
     *,
     capacity: Capacity | None = None,
+    request_log: Path | None = None,
 ) -> FastAPI:
     """Build the server. Raises `CapacityGateError` if the pools cannot hold the context (I4)."""
     if capacity is None:
         capacity = decide_capacity(config, backend.stats().pools)
     counters = RouterCounters()
-    router = Router(backend, tokenizer, config, capacity, tenants, counters)
     registry = make_registry(
         counters,
         backend.stats,
         max_total_num_tokens=capacity.max_total_num_tokens,
         context_length=config.context_length,
     )
+    latency = RequestLatency(registry, config.context_length, request_log)
+    router = Router(backend, tokenizer, config, capacity, tenants, counters, latency)
     app = FastAPI(title="kvfence", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
     app.state.capacity = capacity

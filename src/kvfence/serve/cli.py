@@ -114,6 +114,12 @@ def _is_loopback(host: str) -> bool:
     help="incident lab: switch a defence off (repeatable; listed in /server_info)",
 )
 @click.option("--default-max-tokens", type=click.IntRange(1), default=16, show_default=True)
+@click.option(
+    "--request-log",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="append one JSON line per request (tenant hash, tokens, prefill_s, ttft_s, outcome)",
+)
 @click.option("--log-level", default="warning", show_default=True)
 @click.option(
     "--disaggregated",
@@ -165,6 +171,7 @@ def serve(
     headroom: float,
     lab_faults: tuple[str, ...],
     default_max_tokens: int,
+    request_log: Path | None,
     log_level: str,
     disaggregated: bool,
     n_prefill: int,
@@ -217,7 +224,12 @@ def serve(
         click.echo(str(e), err=True)  # I4: the server does not start
         sys.exit(EXIT_GATE)
     app = create_app(
-        parts.pipeline, parts.loaded.tokenizer, parts.config, tenants, capacity=capacity
+        parts.pipeline,
+        parts.loaded.tokenizer,
+        parts.config,
+        tenants,
+        capacity=capacity,
+        request_log=request_log,
     )
     sock = bind(host, port)
     url = url_of(sock)

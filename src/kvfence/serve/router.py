@@ -34,6 +34,7 @@ from kvfence.serve.config import Capacity, ServeConfig
 from kvfence.serve.metrics import Outcome, RouterCounters
 from kvfence.serve.output import OutputAssembler, Piece
 from kvfence.serve.protocol import ApiError, GenerationRequest, bad_request
+from kvfence.serve.request_log import RequestLatency
 from kvfence.serve.tenants import TenantRegistry
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,12 @@ class Run:
     # What the client sees as the id: independent of the room, which clients never learn (I9).
     response_id: str = field(default_factory=lambda: secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
+    # Signal 3: timings of this request, for the histograms and its log line.
+    submitted_s: float = field(default_factory=time.perf_counter)
+    ttft_s: float | None = None
+    prefill_s: float | None = None
+    cached_tokens: int = 0
+    generated: int = 0
 
 
 class Router:
@@ -83,7 +90,9 @@ class Router:
         capacity: Capacity,
         tenants: TenantRegistry,
         counters: RouterCounters,
+        latency: RequestLatency | None = None,
     ) -> None:
+        self.latency = latency
         self.backend = backend
         self.tokenizer = tokenizer
         self.config = config
@@ -268,6 +277,8 @@ class Router:
                     code="isolation_violation",
                 ),
             )
+        if isinstance(event, TokenChunk):
+            _time_chunk(run, event)
         return event
 
     def finish(self, run: Run, reason: str | None) -> None:
@@ -280,6 +291,7 @@ class Router:
     # ---- the endpoints -------------------------------------------------------------------
 
     async def generate(self, request: Request, kind: protocol.Kind) -> Response:
+        tenant: str | None = None
         try:
             tenant = self.authenticate(request)
             obj = protocol.load_json(await read_body(request, self.body_limit))
@@ -288,6 +300,8 @@ class Router:
             run = self.submit(prep)
         except ApiError as e:
             self.counters.rejected(e.code or e.type)
+            if self.latency is not None and tenant is not None:
+                self.latency.record(tenant, 0, outcome="rejected")
             raise
         watcher = asyncio.create_task(self._watch_disconnect(request, run))
         self._watchers.add(watcher)  # the loop keeps only weak references to tasks
@@ -337,6 +351,16 @@ class Router:
         if run.counted:
             return
         run.counted = True
+        if self.latency is not None:
+            self.latency.record(
+                run.tenant,
+                len(run.prep.prompt_ids),
+                cached_tokens=run.cached_tokens,
+                completion_tokens=run.generated,
+                prefill_s=run.prefill_s,
+                ttft_s=run.ttft_s,
+                outcome=outcome,
+            )
         if outcome == "rejected":
             self.counters.rejected(reason or "unknown")
         else:
@@ -509,6 +533,14 @@ class Router:
 
     def _usage(self, run: Run, out: OutputAssembler) -> dict[str, Any]:
         return protocol.usage(len(run.prep.prompt_ids), out.completion_tokens, out.cached_tokens)
+
+
+def _time_chunk(run: Run, chunk: TokenChunk) -> None:
+    if run.ttft_s is None:
+        run.ttft_s = time.perf_counter() - run.submitted_s
+        run.prefill_s = chunk.prefill_s if chunk.prefill_s > 0 else None
+    run.cached_tokens = max(run.cached_tokens, chunk.cached_tokens)
+    run.generated += len(chunk.token_ids)
 
 
 def sse(obj: dict[str, Any]) -> str:

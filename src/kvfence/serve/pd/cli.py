@@ -66,6 +66,8 @@ def pd_main(
         router_args = [x for n in _ROUTER_ONLY for x in (_flag(n), str(params[n]))]
         if params["allow_undersized_pool"]:
             router_args.append("--allow-undersized-pool")
+        if params["request_log"] is not None:
+            router_args += ["--request-log", str(params["request_log"])]
         return run_disaggregated(
             args,
             n_prefill=params["n_prefill"],
@@ -99,6 +101,7 @@ def pd_main(
             prefix_cache=not params["no_prefix_cache"],
             shared_prefix_cache=params["shared_prefix_cache"],
             log_level=params["log_level"],
+            request_log=params["request_log"],
         )
         return run_router(spec, tenants, announce)
     if params["router_addr"] is None:

@@ -47,6 +47,7 @@ class RouterSpec:
     shared_prefix_cache: bool = False
     timeouts: Timeouts = field(default_factory=Timeouts)
     log_level: str = "warning"
+    request_log: Path | None = None
 
 
 def run_router(spec: RouterSpec, tenants: TenantRegistry, announce: object) -> int:
@@ -80,7 +81,14 @@ def run_router(spec: RouterSpec, tenants: TenantRegistry, announce: object) -> i
         except CapacityGateError as e:
             print(str(e), file=sys.stderr)  # I4: the router does not take traffic
             return EXIT_GATE
-        app = create_app(backend, tokenizer, serve_config, tenants, capacity=capacity)
+        app = create_app(
+            backend,
+            tokenizer,
+            serve_config,
+            tenants,
+            capacity=capacity,
+            request_log=spec.request_log,
+        )
         sock = bind(spec.host, spec.port)
         if callable(announce):
             announce(url_of(sock), tenants, serve_config.model_name, capacity.report.message())

@@ -191,7 +191,9 @@ def run_prefill(spec: WorkerSpec) -> int:
             sender = senders.get(addr)
             if sender is None:
                 sender = senders[addr] = transport.sender(addr)
-            fields = ManifestFields(t.tenant, t.first_token, t.first_logprobs, t.cached_tokens)
+            fields = ManifestFields(
+                t.tenant, t.first_token, t.first_logprobs, t.cached_tokens, t.prefill_s
+            )
             sender.send(t.room, pool, t.src_pages, t.num_tokens, t.dest_pages, fields)
             return True
         except (TransferRefused, TransportClosed, OSError, ValueError) as e:

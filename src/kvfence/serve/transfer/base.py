@@ -90,6 +90,7 @@ class ManifestFields:
     first_token: int
     first_logprobs: tuple[tuple[int, float], ...] = ()
     cached_tokens: int = 0
+    prefill_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +233,7 @@ def prepare_outgoing(
         first_token=fields.first_token,
         first_logprobs=fields.first_logprobs,
         cached_tokens=fields.cached_tokens,
+        prefill_s=fields.prefill_s,
     )
     canonical = coalesce(kinds, src_off, lengths)
     return Outgoing(manifest, src_pool, kinds, src_off, dst_off, lengths, positions, canonical)
