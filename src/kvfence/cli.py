@@ -66,14 +66,17 @@ def main(ctx: click.Context) -> None:
 
 # The checks the Workers AI incident breaks; the others (prefix sharing, counters, ...)
 # are not expected to fire on it and are shown for what they are.
-INCIDENT_CHECKS = ("capacity", "boundary", "canary")
+INCIDENT_CHECKS = ("capacity", "boundary", "canary", "latency")
+# Checks the hardened engine must PASS, not merely not fail: signal 3 must be decisive.
+DECISIVE_CHECKS = ("latency",)
 
 
 def _demo(ctx: click.Context) -> int:
     """The main job: the incident lab and the hardened engine audited side by side.
 
     Exit 0 when the demo shows what it should: the lab fails every check the
-    incident breaks, and the hardened engine fails none. (`kvfence audit`
+    incident breaks (signal 3 included), and the hardened engine fails none and
+    passes the latency check decisively. (`kvfence audit`
     itself exits 1 here, honestly: a leak was observed on one of its targets.)
     """
     out = Path(tempfile.mkdtemp(prefix="kvfence-demo-"))
@@ -91,10 +94,13 @@ def _demo(ctx: click.Context) -> int:
     verdict = {(r["target"], r["check"]): r["verdict"] for r in report["results"]}
     lab_red = [c for c in INCIDENT_CHECKS if verdict.get((lab, c)) == "fail"]
     hardened_red = [c for (t, c), v in verdict.items() if t == hardened and v == "fail"]
+    undecided = [c for c in DECISIVE_CHECKS if verdict.get((hardened, c)) != "pass"]
     click.echo(f"workers-ai-2026 lab fails: {', '.join(lab_red) or 'nothing'}")
     click.echo(f"hardened engine fails: {', '.join(hardened_red) or 'nothing'}")
+    if undecided:
+        click.echo(f"hardened engine does not pass: {', '.join(undecided)}")
     click.echo(f"HTML report: {out / 'report.html'}")
-    if len(lab_red) == len(INCIDENT_CHECKS) and not hardened_red:
+    if len(lab_red) == len(INCIDENT_CHECKS) and not hardened_red and not undecided:
         click.echo("demo as expected: the audit catches the incident and passes the fix")
         return 0
     click.echo("demo NOT as expected")
@@ -157,7 +163,9 @@ def gate(
 
 @main.command("make-model")
 @click.argument("out_dir", type=click.Path(file_okay=False, writable=True))
-@click.option("--preset", type=click.Choice(["tiny", "smollm"]), default="tiny", show_default=True)
+@click.option(
+    "--preset", type=click.Choice(["tiny", "demo", "smollm"]), default="tiny", show_default=True
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 def make_model(out_dir: str, preset: str, seed: int) -> None:
     """Write a deterministic random-weight checkpoint in the Hugging Face layout."""

@@ -67,7 +67,7 @@ def test_bare_kvfence_is_the_main_job() -> None:
     code, out, _ = run()
     assert out.splitlines()[0] == f"kvfence {__version__}"
     assert "capacity gate PASS" in out and "bytes/token" in out
-    assert "workers-ai-2026 lab fails: capacity, boundary, canary" in out, out
+    assert "workers-ai-2026 lab fails: capacity, boundary, canary, latency" in out, out
     assert "hardened engine fails: nothing" in out, out
     assert code == 0 and "demo as expected" in out
     html = Path(out.split("HTML report: ")[-1].split()[0])

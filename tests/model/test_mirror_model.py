@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,8 +11,11 @@ from kvmodel_helpers import Seq, make_pool, new_seq, step
 
 from kvfence.faults import Fault, FaultSet
 from kvfence.kv.pool import IsolationViolation, KVPool
+from kvfence.model.base import ForwardBatch
 from kvfence.model.batching import RowSpec, build_forward_batch
 from kvfence.model.config import ModelConfig
+from kvfence.model.llama import LlamaModel
+from kvfence.model.loader import load_model
 from kvfence.model.mirror import MirrorModel, decode_ids, encode_ids
 
 CONFIG = ModelConfig(
@@ -115,3 +119,26 @@ def test_stale_page_after_release_surfaces_old_tokens_only_when_unchecked() -> N
         else:
             with pytest.raises(IsolationViolation):
                 model(build_forward_batch(16, [row]), pool)
+
+
+def test_mirror_body_runs_the_real_body_and_still_echoes(tiny_checkpoint: Path) -> None:
+    """kind mirror-body: the checkpoint's Llama body runs every step (the real prefill cost,
+    signal 3), yet the output is the mirror's echo, so a leak still reads as text."""
+    loaded = load_model(tiny_checkpoint, kind="mirror-body")
+    model = loaded.model
+    assert isinstance(model, MirrorModel) and isinstance(model.body, LlamaModel)
+    calls: list[int] = []
+    body_forward = model.body.forward
+
+    def counting(batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        calls.append(int(batch.input_ids.numel()))
+        return body_forward(batch, pool)
+
+    model.body.forward = counting  # type: ignore[method-assign]
+    pool = make_pool(loaded.config, 32)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(loaded.config.vocab_size) for _ in range(n)] for n in (7, 40)]
+    seqs = [new_seq(pool, p, len(p) + 8) for p in prompts]
+    produced = _generate(model, pool, seqs, 8)
+    assert produced == [(p + p)[:8] for p in prompts]
+    assert calls[0] == 47 and calls[1:] == [2] * 8  # the prefill of both prompts, then decode

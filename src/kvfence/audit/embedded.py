@@ -32,8 +32,12 @@ KEY_B = "embedded-tenant-b-key-0002"
 # (0.66 x context, like 681,280 / 1,048,576); the fix holds 64 pages = 2 x context.
 COMMON = (
     "--disaggregated",
+    # The mirror head (leaks read as text) over a small real Llama body (prefill costs what
+    # a transformer's does, so signal 3 is measurable): see kvfence.model.mirror.
     "--model-kind",
-    "mirror",
+    "mirror-body",
+    "--preset",
+    "demo",
     "--context-length",
     "512",
     "--page-size",

@@ -23,8 +23,9 @@ from kvfence.model.llama import LlamaModel
 from kvfence.model.mirror import MirrorModel
 from kvfence.model.tokenizer import Tokenizer
 
-ModelKind = Literal["llama", "mirror"]
-MODEL_KINDS: tuple[str, ...] = ("llama", "mirror")
+ModelKind = Literal["llama", "mirror", "mirror-body"]
+# mirror-body: the mirror's echo head over the checkpoint's real Llama body (real prefill cost).
+MODEL_KINDS: tuple[str, ...] = ("llama", "mirror", "mirror-body")
 
 
 class ModelFilesError(FileNotFoundError):
@@ -96,6 +97,9 @@ def load_model(
     model: CausalLM
     if kind == "mirror":
         model = MirrorModel.from_config(config)
+    elif kind == "mirror-body":
+        body = LlamaModel.from_hf_weights(config, load_weights(path), dtype=torch_dtype)
+        model = MirrorModel(config, body=body)
     else:
         model = LlamaModel.from_hf_weights(config, load_weights(path), dtype=torch_dtype)
     model.eval()

@@ -7,6 +7,16 @@ attended position `num_generated[row]`, read back through the same paged
 prompt. With correct isolation a request therefore echoes its own prompt in
 order (then its own echo); any cross-page or stale read surfaces another
 request's tokens verbatim (DESIGN.md, "The incident lab").
+
+Weightless, the mirror's prefill costs nothing, so runbook signal 3 (a long
+prompt answered as fast as a short one) cannot be told from noise. Built
+with a `body` (kind ``mirror-body``: the checkpoint's real Llama weights),
+every step first runs the real transformer over the batch through the same
+paged attention — its cost grows with the prompt like any engine's — and
+its logits are discarded; the mirror head then writes the ids over the
+body's KV and echoes as above, so leaks still read as text. The body's KV
+for earlier positions is therefore the mirror's digits, not its own: the
+body is there for its cost, never for its output.
 """
 
 from __future__ import annotations
@@ -45,18 +55,27 @@ def decode_ids(kv: torch.Tensor) -> torch.Tensor:
 class MirrorModel(CausalLM):
     """Same interfaces as `LlamaModel`; no weights, so `from_config` is all it needs."""
 
-    def __init__(self, config: ModelConfig, *, backend: AttentionBackend | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        backend: AttentionBackend | None = None,
+        body: CausalLM | None = None,
+    ) -> None:
         super().__init__()
         if config.head_dim < _DIGITS:
             raise ValueError(f"the mirror model needs head_dim >= {_DIGITS}")
         self.config = config
         self.backend = backend or get_backend("cpu")
+        self.body = body
 
     @classmethod
     def from_config(cls, config: ModelConfig) -> MirrorModel:
         return cls(config)
 
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        if self.body is not None:
+            self.body.forward(batch, pool)  # the real prefill cost; its output is not used
         with torch.inference_mode():
             begin_step(pool, batch)  # I1, exactly as the real model
             kv = encode_ids(batch.input_ids, pool.geometry.num_kv_heads, pool.geometry.head_dim)

@@ -89,6 +89,10 @@ PRESETS: dict[str, Preset] = {
     # Head dim 32: the smallest vLLM's CPU attention accepts (PEERS.md). A peaked
     # init (std 0.1) makes attention far from uniform, so parity tests see positions.
     "tiny": Preset(512, 128, 2, 4, 2, 256, 4096, 10000.0, False, 512, 0.1),
+    # The demo's body under the mirror head (kind mirror-body): the tiny tokenizer and head
+    # dim, but enough compute that a 511-token prefill costs ~80 ms on one core against ~5 ms
+    # for 16 tokens, well above the HTTP path's noise, so runbook signal 3 is measurable.
+    "demo": Preset(512, 256, 3, 8, 2, 768, 4096, 10000.0, False, 512, 0.1),
     # SmolLM2-135M's geometry, for benchmarks: compute, not only Python overhead.
     "smollm": Preset(49152, 576, 30, 9, 3, 1536, 8192, 100000.0, True, 512, 0.02),
 }

@@ -21,7 +21,7 @@ from kvfence.engine.sizing import DEFAULT_HEADROOM, CapacityGateError
 from kvfence.faults import FaultSet
 from kvfence.kv.pool import ScrubPolicy
 from kvfence.model.loader import MODEL_KINDS
-from kvfence.model.tiny import default_checkpoint_dir
+from kvfence.model.tiny import PRESETS, default_checkpoint_dir
 from kvfence.serve.app import create_app
 from kvfence.serve.build import PoolSizes, build_local
 from kvfence.serve.config import decide_capacity
@@ -69,6 +69,13 @@ def _is_loopback(host: str) -> bool:
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
     help="HF model directory [default: the tiny checkpoint, made on first use]",
+)
+@click.option(
+    "--preset",
+    type=click.Choice(sorted(PRESETS)),
+    default="tiny",
+    show_default=True,
+    help="the embedded checkpoint to make and use when --model is not given",
 )
 @click.option("--model-kind", type=click.Choice(MODEL_KINDS), default="llama", show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -155,6 +162,7 @@ def _is_loopback(host: str) -> bool:
 )
 def serve(
     model_dir: Path | None,
+    preset: str,
     model_kind: str,
     host: str,
     port: int,
@@ -194,8 +202,8 @@ def serve(
     prefill_pages, decode_pages = parse_per_role(kv_pages, "--kv-pages")
     prefill_bytes, decode_bytes = parse_per_role(kv_bytes, "--kv-bytes")
     if model_dir is None:
-        click.echo("using the embedded tiny checkpoint (made on first use)...", err=True)
-        model_dir = default_checkpoint_dir()
+        click.echo(f"using the embedded {preset} checkpoint (made on first use)...", err=True)
+        model_dir = default_checkpoint_dir(preset=preset)
     if torch_threads:
         torch.set_num_threads(torch_threads)
     if disaggregated or role is not None:
