@@ -16,6 +16,7 @@ import httpx
 
 KEY_A = "audit-tenant-a-0123456789"
 KEY_B = "audit-tenant-b-0123456789"
+KEY_OP = "audit-operator-0123456789"  # /metrics and the full /server_info are operator data
 INCIDENT_FAULTS = (
     "undersized-pool",
     "abort-not-terminal",
@@ -46,7 +47,10 @@ def start(tmp: Path, name: str, *, pages: str, faults: tuple[str, ...] = ()) -> 
     tenants = tmp / "tenants.json"
     tenants.write_text(
         json.dumps(
-            {"tenants": [{"name": "alice", "keys": [KEY_A]}, {"name": "bob", "keys": [KEY_B]}]}
+            {
+                "tenants": [{"name": "alice", "keys": [KEY_A]}, {"name": "bob", "keys": [KEY_B]}],
+                "operator_keys": [KEY_OP],
+            }
         )
     )
     port = free_port()

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from audit_servers import KEY_A, KEY_B, Server
+from audit_servers import KEY_A, KEY_B, KEY_OP, Server
 from click.testing import CliRunner
 
 from kvfence.audit.base import AuditContext, Budget, Fact, run_check
@@ -46,7 +46,7 @@ class Audited:
 def run_cli(server: Server, out: Path) -> Audited:
     out.mkdir(parents=True, exist_ok=True)
     args = [
-        "audit", "--target", server.url, "--key-a", KEY_A, "--key-b", KEY_B,
+        "audit", "--target", server.url, "--key-a", KEY_A, "--key-b", KEY_B, "--operator-key", KEY_OP,
         "--checks", CHECKS, "--quiet", "--max-requests", "600",
         "--json", str(out / "a.json"), "--junit", str(out / "a.xml"), "--report", str(out / "a.html"),
     ]  # fmt: skip
@@ -168,7 +168,9 @@ def test_boundary_without_tokenize_calibrates_exact_text_prompts(
 ) -> None:
     """Engines without /tokenize: prompts calibrated from usage.prompt_tokens, still token-exact."""
     target = KvfenceTarget(kvfence_servers[server].url)
-    ctx = AuditContext(key_a=KEY_A, key_b=KEY_B, budget=Budget(max_requests=200))
+    ctx = AuditContext(
+        key_a=KEY_A, key_b=KEY_B, operator_key=KEY_OP, budget=Budget(max_requests=200)
+    )
     with ctx.open():
         facts = target.facts(ctx.client(target, "b"))
         facts.tokenizer = Fact("calibrated from usage.prompt_tokens", "test: /tokenize ignored")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from audit_servers import KEY_A, KEY_B, Server
+from audit_servers import KEY_A, KEY_B, KEY_OP, Server
 
 from kvfence.audit import report
 from kvfence.audit.base import AuditContext, Budget, CheckResult, Verdict, run_check
@@ -101,7 +101,9 @@ def audit_run(
     kvfence_servers: dict[str, Server], tmp_path_factory: pytest.TempPathFactory
 ) -> AuditRun:
     server = kvfence_servers["incident"]
-    ctx = AuditContext(key_a=KEY_A, key_b=KEY_B, seed=3, budget=Budget(max_requests=400))
+    ctx = AuditContext(
+        key_a=KEY_A, key_b=KEY_B, operator_key=KEY_OP, seed=3, budget=Budget(max_requests=400)
+    )
     with ctx.open():
         run = run_audit([server.url], ctx, engine="kvfence", checks=("capacity", "boundary"))
         prefix = PrefixSharingConfig(

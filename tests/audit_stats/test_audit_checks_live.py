@@ -32,6 +32,7 @@ pytestmark = pytest.mark.slow
 
 KEY_A = "audit-stats-key-a-5f1c2e"
 KEY_B = "audit-stats-key-b-9d7a41"
+KEY_OP = "audit-stats-operator-3b8e07"
 URL_LINE = re.compile(r"kvfence serving \S+ at (http://\S+)")
 
 
@@ -49,7 +50,8 @@ def _start(tmp: Path, faults: tuple[str, ...], extra: tuple[str, ...] = ()) -> I
                 "tenants": [
                     {"name": "tenant-a", "keys": [KEY_A]},
                     {"name": "tenant-b", "keys": [KEY_B]},
-                ]
+                ],
+                "operator_keys": [KEY_OP],
             }
         ),
         encoding="utf-8",
@@ -118,7 +120,11 @@ def incident(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 def _run(server: Server, check: object, seed: int = 0) -> CheckResult:
     ctx = AuditContext(
-        key_a=KEY_A, key_b=KEY_B, seed=seed, budget=Budget(max_requests=2000, max_seconds=300)
+        key_a=KEY_A,
+        key_b=KEY_B,
+        operator_key=KEY_OP,
+        seed=seed,
+        budget=Budget(max_requests=2000, max_seconds=300),
     )
     with ctx.open():
         target = KvfenceTarget(server.url)

@@ -24,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvfence.engine.pipeline import LocalPipeline
 from kvfence.faults import FaultSet
 from kvfence.lab.profiles import Scale
+from kvfence.lab.scenario import OPERATOR, LabServer, find_leak, lab_server
 from kvfence.lab.scenario import Exchange as LabExchange
-from kvfence.lab.scenario import LabServer, find_leak, lab_server
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve.app import create_app
 from kvfence.serve.build import PoolSizes, build_local
@@ -94,9 +94,9 @@ def run_episode(srv: LabServer, faults: FaultSet) -> Episode:
 
     with httpx.Client(base_url=srv.url, timeout=60) as client:
         a = tuple(complete(client, "tenant-a", a_prompt, 8).status_code for _ in range(2))
-        before = parse_metrics(client.get("/metrics", headers=headers["tenant-a"]).text)
+        before = parse_metrics(client.get("/metrics", headers=headers[OPERATOR]).text)
         r = complete(client, "tenant-b", b_prompt, B_MAX_TOKENS)
-        after = parse_metrics(client.get("/metrics", headers=headers["tenant-a"]).text)
+        after = parse_metrics(client.get("/metrics", headers=headers[OPERATOR]).text)
     body = r.json()
     if r.status_code == 200:
         text = "".join(c.get("text", "") for c in body.get("choices", []))
@@ -150,12 +150,12 @@ class Served:
         return self.http.post(self.url + path, headers=self.headers(tenant), **kw)
 
     def info(self) -> dict[str, Any]:
-        r = self.get("/server_info")
+        r = self.get("/server_info", "operator")
         assert r.status_code == 200, r.text
         return dict(r.json())
 
     def metrics(self) -> dict[str, float]:
-        return parse_metrics(self.get("/metrics").text)
+        return parse_metrics(self.get("/metrics", "operator").text)
 
     def quiesce(self) -> None:
         """Wait for the engine to go idle, then empty the prefix cache (a quiescent point)."""
@@ -180,4 +180,5 @@ def roomy_server(checkpoint: Path, faults: FaultSet) -> Iterator[Served]:
         srv = stack.enter_context(ServerThread(app))
         http = stack.enter_context(httpx.Client(timeout=60))
         keys = {t.name: t.keys[0] for t in tenants.tenants}
+        keys["operator"] = tenants.operator_keys[0]
         yield Served(srv.url, keys, parts.config.model_name, parts.pipeline, app.state.router, http)

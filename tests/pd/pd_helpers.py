@@ -38,6 +38,8 @@ class Cluster:
     inboxes: dict[str, str]
 
     def key(self, tenant: str = "a") -> str:
+        if tenant == "operator":
+            return self.tenants.operator_keys[0]
         return next(t.keys[0] for t in self.tenants.tenants if t.name == tenant)
 
     def client(self, tenant: str = "a", timeout: float = 120) -> openai.OpenAI:
@@ -55,7 +57,9 @@ class Cluster:
 
     def info(self) -> dict[str, object]:
         r = httpx.get(
-            self.url + "/server_info", headers={"Authorization": f"Bearer {self.key()}"}, timeout=30
+            self.url + "/server_info",
+            headers={"Authorization": f"Bearer {self.key('operator')}"},
+            timeout=30,
         )
         assert r.status_code == 200, r.text
         return dict(r.json())

@@ -47,6 +47,8 @@ class MultiHost:
     _http: list[httpx.Client] = field(default_factory=list)
 
     def key(self, tenant: str = "a") -> str:
+        if tenant == "operator":
+            return self.tenants.operator_keys[0]
         return next(t.keys[0] for t in self.tenants.tenants if t.name == tenant)
 
     def client(self, tenant: str = "a") -> openai.OpenAI:
@@ -70,7 +72,8 @@ class MultiHost:
         def get() -> dict[str, object]:
             with httpx.Client(trust_env=False, timeout=30) as http:
                 r = http.get(
-                    self.url + "/server_info", headers={"Authorization": f"Bearer {self.key()}"}
+                    self.url + "/server_info",
+                    headers={"Authorization": f"Bearer {self.key('operator')}"},
                 )
             assert r.status_code == 200, r.text
             return dict(r.json())
@@ -268,7 +271,7 @@ def test_tenants_get_their_own_echo_across_hosts(
 
 def _metrics(c: MultiHost) -> str:
     with httpx.Client(trust_env=False, timeout=30) as http:
-        r = http.get(c.url + "/metrics", headers={"Authorization": f"Bearer {c.key()}"})
+        r = http.get(c.url + "/metrics", headers={"Authorization": f"Bearer {c.key('operator')}"})
     assert r.status_code == 200, r.text
     return r.text
 

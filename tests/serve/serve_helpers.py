@@ -34,6 +34,9 @@ class Served:
     _clients: dict[str, openai.OpenAI] = field(default_factory=dict)
 
     def key(self, tenant: str = "a") -> str:
+        """A tenant's key; `"operator"`: the operator key (/metrics, full /server_info)."""
+        if tenant == "operator":
+            return self.tenants.operator_keys[0]
         return next(t.keys[0] for t in self.tenants.tenants if t.name == tenant)
 
     def headers(self, tenant: str = "a") -> dict[str, str]:
@@ -61,7 +64,7 @@ class Served:
         return self.http.post(self.url + path, headers=self.headers(tenant), **kw)
 
     def info(self) -> dict[str, Any]:
-        r = self.get("/server_info")
+        r = self.get("/server_info", "operator")
         assert r.status_code == 200, r.text
         return r.json()
 
@@ -72,7 +75,7 @@ class Served:
     def metrics(self) -> dict[str, float]:
         """Every sample, keyed `name{label=value,...}` (labels sorted)."""
         out: dict[str, float] = {}
-        text = self.get("/metrics").text
+        text = self.get("/metrics", "operator").text
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))

@@ -179,7 +179,7 @@ def test_models_health_tokenize_detokenize(mirror: Served) -> None:
 
 def test_server_info_schema_and_alias(mirror: Served) -> None:
     info = mirror.info()
-    assert mirror.get("/get_server_info").json() == info
+    assert mirror.get("/get_server_info", "operator").json() == info
     assert info["engine"] == "kvfence"
     assert info["context_length"] == info["max_model_len"] == 4096
     assert info["max_req_input_len"] == 4096

@@ -70,9 +70,16 @@ def test_serve_with_no_arguments_runs_the_embedded_default(tmp_path: Path) -> No
 def test_serve_with_a_tenants_file_and_the_mirror_model(tmp_path: Path, checkpoint: Path) -> None:
     tenants = tmp_path / "tenants.json"
     key_a, key_b = "sk-team-a-" + "1" * 24, "sk-team-b-" + "2" * 24
+    key_op = "sk-operator-" + "3" * 24
     tenants.write_text(
         json.dumps(
-            {"tenants": [{"name": "team-a", "keys": [key_a]}, {"name": "team-b", "keys": [key_b]}]}
+            {
+                "tenants": [
+                    {"name": "team-a", "keys": [key_a]},
+                    {"name": "team-b", "keys": [key_b]},
+                ],
+                "operator_keys": [key_op],
+            }
         )
     )
     args = ["--model", str(checkpoint), "--model-kind", "mirror", "--tenants", str(tenants)]
@@ -82,9 +89,12 @@ def test_serve_with_a_tenants_file_and_the_mirror_model(tmp_path: Path, checkpoi
         base = re.search(r"at (http://127\.0\.0\.1:\d+)", "\n".join(lines)).group(1)  # type: ignore[union-attr]
         assert f"tenant team-a: key {key_a}" in lines
         h = {"Authorization": f"Bearer {key_b}"}
-        info = httpx.get(base + "/server_info", headers=h).json()
+        op = {"Authorization": f"Bearer {key_op}"}
+        info = httpx.get(base + "/server_info", headers=op).json()
         assert info["lab"]["faults"] == ["no-invalidate"]
         assert info["pools"][0]["pool_tokens"] == 512 * 16
+        assert "lab" not in httpx.get(base + "/server_info", headers=h).json()
+        assert httpx.get(base + "/metrics", headers=h).status_code == 403
         n = httpx.post(base + "/tokenize", headers=h, json={"prompt": "mirror me"}).json()["count"]
         r = httpx.post(
             base + "/v1/completions",

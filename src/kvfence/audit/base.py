@@ -252,6 +252,8 @@ class AuditContext:
 
     - `key_a` / `key_b`: API keys of two tenants (None = no auth header).
       Tenant A is the victim whose data must not leak; tenant B the observer.
+    - `operator_key`: read /metrics and /server_info with it (operator data on
+      kvfence; without it those facts may be unreadable, never a pass).
     - `context_override`: use this context length instead of the target's.
     - `seed` seeds `rng`; checks draw all randomness (sentinels, prefixes)
       from `rng` so a run is reproducible.
@@ -261,6 +263,7 @@ class AuditContext:
 
     key_a: str | None = None
     key_b: str | None = None
+    operator_key: str | None = None
     headroom: float = DEFAULT_HEADROOM
     context_override: int | None = None
     budget: Budget = field(default_factory=Budget)
@@ -297,6 +300,7 @@ class AuditContext:
                     api_key=self.key(tenant),
                     budget=self.budget,
                     timeout_s=self.request_timeout_s,
+                    operator_key=self.operator_key,
                 )
                 self._clients[(url, tenant)] = cached
             return cached

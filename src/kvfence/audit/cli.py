@@ -62,6 +62,12 @@ def _embedded_runner() -> Callable[..., AuditRun] | None:
 @click.option("--engine", type=click.Choice(ENGINE_CHOICES), default="auto", show_default=True)
 @click.option("--key-a", envvar="KVFENCE_AUDIT_KEY_A", default=None, help="tenant A's API key")
 @click.option("--key-b", envvar="KVFENCE_AUDIT_KEY_B", default=None, help="tenant B's API key")
+@click.option(
+    "--operator-key",
+    envvar="KVFENCE_AUDIT_OPERATOR_KEY",
+    default=None,
+    help="reads /metrics and /server_info (operator data on kvfence)",
+)
 @click.option("--checks", default=None, help=f"comma-separated subset of: {', '.join(ALL_CHECKS)}")
 @click.option("--context", "context", type=int, default=None, help="context length to gate on")
 @click.option("--headroom", type=float, default=DEFAULT_HEADROOM, show_default=True)
@@ -85,6 +91,7 @@ def audit(
     engine: str,
     key_a: str | None,
     key_b: str | None,
+    operator_key: str | None,
     checks: str | None,
     context: int | None,
     headroom: float,
@@ -112,6 +119,7 @@ def audit(
         actx = AuditContext(
             key_a=key_a,
             key_b=key_b,
+            operator_key=operator_key,
             headroom=headroom,
             context_override=context,
             budget=budget,

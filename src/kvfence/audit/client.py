@@ -141,6 +141,10 @@ def _truncate_request(req: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Paths that carry operator data on kvfence (and are harmless to read as operator elsewhere).
+OPERATOR_PATHS = frozenset({"/metrics", "/server_info", "/get_server_info"})
+
+
 class ProbeClient:
     """One tenant's bounded client for one target (thread-safe: httpx.Client is)."""
 
@@ -153,9 +157,13 @@ class ProbeClient:
         timeout_s: float = 120.0,
         model: str | None = None,
         transport: httpx.BaseTransport | None = None,
+        operator_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
+        # Sent instead of the tenant key on the operator paths (/metrics, /server_info):
+        # engines that fence operator data (kvfence) answer a tenant key there with 403.
+        self._operator_headers = {"Authorization": f"Bearer {operator_key}"} if operator_key else {}
         self.budget = budget
         self.timeout_s = timeout_s
         # The model name sent with generation requests; a target adapter sets
@@ -177,6 +185,9 @@ class ProbeClient:
     def get(self, path: str, *, timeout_s: float | None = None) -> ProbeResponse:
         return self._send("GET", path, None, timeout_s)
 
+    def operator_path(self, path: str) -> bool:
+        return bool(self._operator_headers) and path.split("?")[0] in OPERATOR_PATHS
+
     def post(
         self, path: str, payload: dict[str, Any], *, timeout_s: float | None = None
     ) -> ProbeResponse:
@@ -190,7 +201,8 @@ class ProbeClient:
         timeout = self.budget.timeout_for(timeout_s or self.timeout_s)
         t0 = time.perf_counter()
         try:
-            r = self._http.request(method, path, json=payload, timeout=timeout)
+            headers = self._operator_headers if self.operator_path(path) else None
+            r = self._http.request(method, path, json=payload, timeout=timeout, headers=headers)
         except httpx.HTTPError as e:
             resp.error = f"{type(e).__name__}: {e}"
             resp.total_s = time.perf_counter() - t0

@@ -28,6 +28,7 @@ from kvfence.audit.runbook import ALL_CHECKS, AuditRun, run_audit
 
 KEY_A = "embedded-tenant-a-key-0001"
 KEY_B = "embedded-tenant-b-key-0002"
+KEY_OPERATOR = "embedded-operator-key-0003"
 # The lab's scale: context 512; the incident's prefill pool is 21 pages x 16 = 336 tokens
 # (0.66 x context, like 681,280 / 1,048,576); the fix holds 64 pages = 2 x context.
 COMMON = (
@@ -74,7 +75,8 @@ def started(name: str, args: Sequence[str], workdir: Path) -> Iterator[EmbeddedS
                 "tenants": [
                     {"name": "tenant-a", "keys": [KEY_A]},
                     {"name": "tenant-b", "keys": [KEY_B]},
-                ]
+                ],
+                "operator_keys": [KEY_OPERATOR],
             }
         )
     )
@@ -128,7 +130,12 @@ def audit_embedded(
                 progress(f"starting {s.name} at {s.url}", None)
             wait_ready(s)
         ctx = AuditContext(
-            key_a=KEY_A, key_b=KEY_B, headroom=headroom, seed=seed, budget=budget or Budget()
+            key_a=KEY_A,
+            key_b=KEY_B,
+            operator_key=KEY_OPERATOR,
+            headroom=headroom,
+            seed=seed,
+            budget=budget or Budget(),
         )
         if progress is not None:
             ctx.progress = progress

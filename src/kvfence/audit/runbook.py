@@ -228,11 +228,13 @@ def audit_server(
     seed: int = 0,
     budget: Budget | None = None,
     progress: Callable[[str, float | None], None] | None = None,
+    operator_key: str | None = None,
 ) -> AuditRun:
     """Audit one already-started server (the embedded default's hook for `kvfence audit`)."""
     ctx = AuditContext(
         key_a=key_a,
         key_b=key_b,
+        operator_key=operator_key,
         headroom=headroom,
         seed=seed,
         budget=budget or Budget(),

@@ -33,6 +33,7 @@ from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.thread import ServerThread
 
 TENANT_A, TENANT_B = "tenant-a", "tenant-b"
+OPERATOR = "operator"  # the key in `LabServer.keys` that reads operator data
 DEFAULT_SCALE = Scale()
 FRAGMENT_TOKENS = 4  # a run of this many of a sentinel's tokens in B's body counts as a leak
 
@@ -115,13 +116,14 @@ def lab_server(
     )
     tenants = TenantRegistry.generate((TENANT_A, TENANT_B))
     keys = {t.name: t.keys[0] for t in tenants.tenants}
+    keys[OPERATOR] = tenants.operator_keys[0]  # /metrics and the lab facts are operator data
     app = create_app(parts.pipeline, parts.loaded.tokenizer, parts.config, tenants)
     parts.pipeline.start()
     try:
         with ServerThread(app) as srv:
 
             def info() -> dict[str, Any]:
-                r = httpx.get(f"{srv.url}/server_info", headers=_auth(keys[TENANT_A]), timeout=30)
+                r = httpx.get(f"{srv.url}/server_info", headers=_auth(keys[OPERATOR]), timeout=30)
                 return dict(r.json())
 
             yield LabServer(srv.url, parts.config.model_name, keys, parts.loaded.tokenizer, info)

@@ -77,6 +77,23 @@ class Admission:
             )
         return tenant
 
+    def viewer(self, authorization: str | None) -> str | None:
+        """Who reads operator-or-tenant data: None for the operator, else the tenant (401 if neither)."""
+        if self.tenants.is_operator(authorization):
+            return None
+        return self.authenticate(authorization)
+
+    def authorize_operator(self, authorization: str | None, what: str) -> None:
+        """Operator data (I10): 401 without a valid key, 403 for a tenant key."""
+        if self.viewer(authorization) is not None:
+            raise ApiError(
+                403,
+                f"{what} is operator data (other tenants' activity); send an operator key "
+                "(kvfence serve --operator-key, or operator_keys in the tenants file)",
+                type="permission_error",
+                code="operator_only",
+            )
+
     def prepare(self, req: GenerationRequest, tenant: str) -> Prepared:
         """Tokenize and check everything; raises `ApiError`, never touches the backend."""
         self.check_model(req.model)

@@ -23,7 +23,7 @@ from kvfence.serve.admission import Admission
 from kvfence.serve.config import Capacity, ServeConfig, decide_capacity
 from kvfence.serve.errors import INTERNAL_ERROR, ApiError
 from kvfence.serve.fields import load_json
-from kvfence.serve.info import server_info
+from kvfence.serve.info import server_info, tenant_view
 from kvfence.serve.metrics import RouterCounters, make_registry, render
 from kvfence.serve.request_log import RequestLatency
 from kvfence.serve.router import Router, read_body
@@ -161,12 +161,15 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        authenticate(request)
+        admission.authorize_operator(request.headers.get("authorization"), "/metrics")
         return Response(render(registry), media_type=PROMETHEUS_TYPE)
 
     async def info(request: Request) -> dict[str, Any]:
-        authenticate(request)
-        return server_info(config, capacity, backend.stats(), tenants.auth)
+        tenant = admission.viewer(request.headers.get("authorization"))
+        full = server_info(config, capacity, backend.stats(), tenants.auth)
+        if tenant is None:
+            return full
+        return tenant_view(full, tenant, sum(t == tenant for t in router.rooms.values()))
 
     app.add_api_route("/server_info", info, methods=["GET"])
     app.add_api_route("/get_server_info", info, methods=["GET"])

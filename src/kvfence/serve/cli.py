@@ -89,6 +89,12 @@ def _is_loopback(host: str) -> bool:
 )
 @click.option("--no-auth", is_flag=True, help="dev mode: one tenant, no keys (loopback only)")
 @click.option(
+    "--operator-key",
+    "operator_keys",
+    multiple=True,
+    help="a key that reads operator data (/metrics, pool usage, lab facts); repeatable",
+)
+@click.option(
     "--context-length", type=click.IntRange(1), default=None, help="[default: the model's]"
 )
 @click.option("--kv-pages", default=None, help="KV pages per role: N, or prefill=N,decode=M")
@@ -168,6 +174,7 @@ def serve(
     port: int,
     tenants_file: Path | None,
     no_auth: bool,
+    operator_keys: tuple[str, ...],
     context_length: int | None,
     kv_pages: str | None,
     kv_bytes: str | None,
@@ -198,7 +205,7 @@ def serve(
         faults = FaultSet.parse(lab_faults)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--lab-fault") from None
-    tenants = _tenants(tenants_file, no_auth, host)
+    tenants = _tenants(tenants_file, no_auth, host, operator_keys)
     prefill_pages, decode_pages = parse_per_role(kv_pages, "--kv-pages")
     prefill_bytes, decode_bytes = parse_per_role(kv_bytes, "--kv-bytes")
     if model_dir is None:
@@ -251,19 +258,26 @@ def serve(
         click.echo("kvfence: stopped", err=True)
 
 
-def _tenants(path: Path | None, no_auth: bool, host: str) -> TenantRegistry:
+def _tenants(
+    path: Path | None, no_auth: bool, host: str, operator_keys: tuple[str, ...] = ()
+) -> TenantRegistry:
     if no_auth:
-        if path is not None:
-            raise click.UsageError("--no-auth and --tenants exclude each other")
+        if path is not None or operator_keys:
+            raise click.UsageError("--no-auth excludes --tenants and --operator-key")
         if not _is_loopback(host):
             raise click.UsageError("--no-auth is only allowed on a loopback host")
         return TenantRegistry.dev()
     if path is None:
-        return TenantRegistry.generate()
+        registry = TenantRegistry.generate()
+    else:
+        try:
+            registry = TenantRegistry.from_file(path)
+        except TenantFileError as e:
+            raise click.BadParameter(str(e), param_hint="--tenants") from None
     try:
-        return TenantRegistry.from_file(path)
-    except TenantFileError as e:
-        raise click.BadParameter(str(e), param_hint="--tenants") from None
+        return registry.with_operator_keys(operator_keys)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--operator-key") from None
 
 
 def _announce(url: str, tenants: TenantRegistry, model: str, gate: str) -> None:
@@ -275,6 +289,12 @@ def _announce(url: str, tenants: TenantRegistry, model: str, gate: str) -> None:
     else:
         for t in tenants.tenants:
             click.echo(f"tenant {t.name}: key {t.keys[0]}")
+        if tenants.operator_keys:
+            click.echo(
+                f"operator key: {tenants.operator_keys[0]} (/metrics, pool usage, lab facts)"
+            )
+        else:
+            click.echo("no operator key: /metrics and operator facts answer 403 to every key")
         key_header = f' -H "Authorization: Bearer {tenants.tenants[0].keys[0]}"'
     body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 8})
     click.echo(

@@ -4,6 +4,11 @@ Values come from the running backend (pool sizes and usage) and the start-up
 capacity decision, never from a config file (INCIDENT.md runbook signal 1).
 Every active lab fault is listed so an audit can never mistake a lab server
 for production.
+
+The full document is operator data. A tenant key gets `tenant_view`: the
+static capacity facts (what a deploy gate and a client need), its own live
+requests, and neither the pools' live usage nor the lab facts (I10: one
+tenant never observes another's activity).
 """
 
 from __future__ import annotations
@@ -56,3 +61,18 @@ def server_info(
         "auth": auth,
         "lab": {"faults": config.faults.names(), "profile": config.lab_profile},
     }
+
+
+OPERATOR_ONLY = ("lab",)
+LIVE_POOL_FIELDS = ("pages_used", "pages_free", "pages_pending")
+
+
+def tenant_view(full: dict[str, Any], tenant: str, live_requests: int) -> dict[str, Any]:
+    """What a tenant key reads: the full document less live usage and lab facts, plus its own."""
+    view = {k: v for k, v in full.items() if k not in OPERATOR_ONLY}
+    view["pools"] = [
+        {k: v for k, v in p.items() if k not in LIVE_POOL_FIELDS} for p in full["pools"]
+    ]
+    view["usage"] = {"tenant": tenant, "live_requests": live_requests}
+    view["operator_data"] = "omitted: pool usage and lab facts need an operator key"
+    return view

@@ -6,6 +6,11 @@ constant time against *every* key, always all of them, with no early exit, so
 the time taken says nothing about which key (or which prefix of a key)
 matched. Running without keys is an explicit dev mode: one tenant, "default",
 reported as `auth: "none"` in /server_info.
+
+Operator keys (`"operator_keys": [...]` in the file, or `--operator-key`) are
+a separate credential for operator data — /metrics, live pool usage, lab
+facts, anything aggregated across tenants. An operator key is no tenant key
+(it cannot generate), and a tenant key never reads operator data (I10).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import hmac
 import json
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,15 +42,19 @@ class Tenant:
 class TenantRegistry:
     tenants: tuple[Tenant, ...]
     auth: Literal["api-key", "none"] = "api-key"
+    operator_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.auth == "none":
-            if [t.name for t in self.tenants] != [DEV_TENANT]:
-                raise ValueError("dev mode (no auth) has exactly one tenant, 'default'")
+            if [t.name for t in self.tenants] != [DEV_TENANT] or self.operator_keys:
+                raise ValueError(
+                    "dev mode (no auth) has exactly one tenant, 'default', and no operator keys"
+                )
             return
         if not self.tenants:
             raise ValueError("api-key auth needs at least one tenant")
-        names, keys = set(), set()
+        names: set[str] = set()
+        keys: set[str] = set()
         for t in self.tenants:
             if not NAME_RE.match(t.name):
                 raise ValueError(
@@ -57,15 +66,9 @@ class TenantRegistry:
             if not t.keys:
                 raise ValueError(f"tenant {t.name!r} has no keys")
             for k in t.keys:
-                if len(k) < MIN_KEY_CHARS or not k.isascii() or not k.isprintable() or " " in k:
-                    raise ValueError(
-                        f"a key of tenant {t.name!r} must be >= {MIN_KEY_CHARS} printable ASCII "
-                        "characters without spaces"
-                    )
-                if k in keys:
-                    # One key for two tenants would make the tenant ambiguous.
-                    raise ValueError(f"a key of tenant {t.name!r} is also used by another entry")
-                keys.add(k)
+                _check_key(k, f"tenant {t.name!r}", keys)
+        for k in self.operator_keys:
+            _check_key(k, "the operator", keys)
 
     @classmethod
     def dev(cls) -> TenantRegistry:
@@ -73,7 +76,14 @@ class TenantRegistry:
 
     @classmethod
     def generate(cls, names: tuple[str, ...] = ("tenant-a", "tenant-b")) -> TenantRegistry:
-        return cls(tenants=tuple(Tenant(n, (f"sk-kvf-{secrets.token_hex(16)}",)) for n in names))
+        return cls(
+            tenants=tuple(Tenant(n, (f"sk-kvf-{secrets.token_hex(16)}",)) for n in names),
+            operator_keys=(f"sk-kvf-op-{secrets.token_hex(16)}",),
+        )
+
+    def with_operator_keys(self, keys: tuple[str, ...]) -> TenantRegistry:
+        """The same tenants with these operator keys added (validated like any key)."""
+        return replace(self, operator_keys=self.operator_keys + tuple(keys))
 
     @classmethod
     def from_file(cls, path: str | Path) -> TenantRegistry:
@@ -83,10 +93,14 @@ class TenantRegistry:
         except (OSError, ValueError) as e:
             raise TenantFileError(f"cannot read tenants file {path}: {e}") from None
         entries = data.get("tenants") if isinstance(data, dict) else None
-        if not isinstance(entries, list) or set(data) != {"tenants"}:
+        if not isinstance(entries, list) or not set(data) <= {"tenants", "operator_keys"}:
             raise TenantFileError(
-                f'{path}: expected {{"tenants": [{{"name": ..., "keys": [...]}}]}}'
+                f'{path}: expected {{"tenants": [{{"name": ..., "keys": [...]}}]}} '
+                '(and optionally "operator_keys": [...])'
             )
+        operators = data.get("operator_keys", [])
+        if not isinstance(operators, list) or not all(isinstance(k, str) for k in operators):
+            raise TenantFileError(f"{path}: operator_keys must be a list of strings")
         tenants = []
         for i, entry in enumerate(entries):
             if (
@@ -101,14 +115,30 @@ class TenantRegistry:
                 )
             tenants.append(Tenant(entry["name"], tuple(entry["keys"])))
         try:
-            return cls(tenants=tuple(tenants))
+            return cls(tenants=tuple(tenants), operator_keys=tuple(operators))
         except ValueError as err:
             raise TenantFileError(f"{path}: {err}") from None
 
     def to_json(self) -> str:
-        return json.dumps(
-            {"tenants": [{"name": t.name, "keys": list(t.keys)} for t in self.tenants]}, indent=2
-        )
+        data: dict[str, Any] = {
+            "tenants": [{"name": t.name, "keys": list(t.keys)} for t in self.tenants]
+        }
+        if self.operator_keys:
+            data["operator_keys"] = list(self.operator_keys)
+        return json.dumps(data, indent=2)
+
+    def is_operator(self, authorization: str | None) -> bool:
+        """Whether the header carries an operator key (dev mode: everyone is the operator)."""
+        if self.auth == "none":
+            return True
+        presented = _bearer(authorization)
+        if presented is None:
+            return False
+        probe = presented.encode("utf-8", "surrogateescape")
+        found = False
+        for key in self.operator_keys:  # all of them, no early exit (I10)
+            found |= hmac.compare_digest(probe, key.encode("ascii"))
+        return found
 
     def authenticate(self, authorization: str | None) -> str | None:
         """The tenant for an `Authorization: Bearer <key>` header, or None (I10)."""
@@ -125,6 +155,17 @@ class TenantRegistry:
                 if hmac.compare_digest(probe, key.encode("ascii")):
                     found = tenant.name
         return found
+
+
+def _check_key(key: str, owner: str, seen: set[str]) -> None:
+    if len(key) < MIN_KEY_CHARS or not key.isascii() or not key.isprintable() or " " in key:
+        raise ValueError(
+            f"a key of {owner} must be >= {MIN_KEY_CHARS} printable ASCII characters without spaces"
+        )
+    if key in seen:
+        # One key for two owners would make the owner ambiguous.
+        raise ValueError(f"a key of {owner} is also used by another entry")
+    seen.add(key)
 
 
 def _bearer(header: str | None) -> str | None:
