@@ -32,6 +32,7 @@ _LAZY_COMMANDS = MappingProxyType(
         "serve": "kvfence.serve.cli:serve",
         "audit": "kvfence.audit.cli:audit",
         "lab": "kvfence.lab.cli:lab",
+        "watch": "kvfence.watch.cli:watch",
     }
 )
 

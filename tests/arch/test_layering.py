@@ -29,6 +29,8 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "engine": (*UPWARD, *NETWORK),
     # The audit reaches engines over HTTP only (it may start `kvfence serve` as a process).
     "audit": ENGINE_SIDE,
+    # The guard reaches engines only through the audit's adapters, over HTTP.
+    "watch": tuple(m for m in ENGINE_SIDE if m != "kvfence.watch"),
     # The HTTP edge's synchronous halves: unit-testable without a server or a socket.
     "serve/admission.py": ("kvfence.serve.router", "starlette", "fastapi", *NETWORK),
     "serve/responses.py": ("kvfence.serve.router", "kvfence.engine", "starlette", *NETWORK),

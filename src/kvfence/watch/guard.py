@@ -1,0 +1,185 @@
+"""One guard per target, and the watcher's loop over them.
+
+A target's interval: read its live facts (fresh adapter, fresh reads) ->
+fingerprint -> on a change (or the first read) re-run the capacity gate and
+the boundary probe -> within the request budget, one canary pair and one
+timing round -> export. Anything that fails to read leaves the facts
+unknown for this interval, which is exported, never skipped (fail closed).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvfence.audit.base import AuditContext, Budget, CheckResult, Verdict, run_check
+from kvfence.audit.runbook import load_check
+from kvfence.audit.targets.base import Target, TargetFacts
+from kvfence.audit.targets.registry import make_target
+from kvfence.watch.fingerprint import Fingerprint
+from kvfence.watch.metrics import WatchMetrics
+from kvfence.watch.probes import Makers, TimingWindow, canary_pair, too_fast
+
+log = logging.getLogger(__name__)
+FOREVER_S = 10 * 365 * 86400.0  # the watcher's budget is per minute, not per run
+PROBE_ROUND = 3 + 2 + 6  # timing probes + canary pair + the pair's tokenize/detokenize calls
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    a: str | None
+    b: str | None
+    operator: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class GuardConfig:
+    interval_s: float = 60.0
+    requests_per_minute: int = 60
+    headroom: float = 1.25
+    canary: bool = True
+    timing: bool = True
+
+
+@dataclass(slots=True)
+class Interval:
+    """What one interval saw on one target (printed by --once, kept for tests)."""
+
+    facts_known: bool
+    changed: list[str] = field(default_factory=list)
+    gate: CheckResult | None = None
+    boundary: CheckResult | None = None
+    crossed: bool = False
+    too_fast: bool = False
+    error: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+class TargetGuard:
+    def __init__(
+        self, url: str, engine: str, keys: Keys, config: GuardConfig, metrics: WatchMetrics
+    ) -> None:
+        self.url, self.engine, self.config, self.metrics = url, engine, config, metrics
+        self.ctx = AuditContext(
+            key_a=keys.a,
+            key_b=keys.b,
+            operator_key=keys.operator,
+            headroom=config.headroom,
+            budget=Budget(max_requests=2**62, max_seconds=FOREVER_S),
+        )
+        self.rng = random.Random()
+        self.fingerprint: Fingerprint | None = None
+        self.timing = TimingWindow()
+        self.makers: Makers | None = None
+        self.sent_at: deque[float] = deque()
+        self.turn = 0
+        self.last: Interval | None = None
+        metrics.start(url)
+
+    def cycle(self) -> Interval:
+        sent0 = self.ctx.budget.sent
+        try:
+            out = self._cycle()
+        except Exception as e:  # the target is down or unreadable: unknown, never healthy
+            log.warning("guard %s: %s: %s", self.url, type(e).__name__, e)
+            out = Interval(facts_known=False, error=f"{type(e).__name__}: {e}")
+        self._charge(self.ctx.budget.sent - sent0)
+        self.metrics.facts_known.labels(self.url).set(1 if out.facts_known else 0)
+        if out.facts_known:
+            self.metrics.last_success.labels(self.url).set(time.time())
+        self.last = out
+        return out
+
+    def _cycle(self) -> Interval:
+        client = self.ctx.client_for_url(self.url, "a")
+        target = make_target(self.url, self.engine, client)
+        self.engine = target.engine  # detected once; later intervals skip detection
+        facts = target.facts(client)
+        target.configure_client(self.ctx.client(target, "b"))
+        fp = Fingerprint.of(facts)
+        self._export_facts(facts)
+        if not fp.gateable:
+            return Interval(False, error="pool or context unknown: " + facts.pool_tokens.note)
+        out = Interval(True)
+        if fp != self.fingerprint:
+            if self.fingerprint is not None:
+                out.changed = fp.diff(self.fingerprint)
+                self.metrics.changes.labels(self.url).inc()
+                log.warning("guard %s: capacity facts changed: %s", self.url, out.changed)
+            self.fingerprint = fp
+            self.timing.clear()  # the physics changed with the facts
+            self.makers = None  # and maybe the tokenizer
+            out.gate, out.boundary = self._gate(target)
+        self._probe(target, facts, out)
+        return out
+
+    def _gate(self, target: Target) -> tuple[CheckResult, CheckResult]:
+        """The capacity gate and the boundary probe, exactly as `kvfence audit` runs them."""
+        results = []
+        for name in ("capacity", "boundary"):
+            check = load_check(name)
+            assert check is not None
+            results.append(run_check(check, self.ctx, target))
+            self.metrics.probes.labels(self.url, name).inc(results[-1].requests_sent)
+        gate, boundary = results
+        self.metrics.gate_ok.labels(self.url).set(1 if gate.verdict is Verdict.PASS else 0)
+        self.metrics.boundary_ok.labels(self.url).set(1 if boundary.verdict is Verdict.PASS else 0)
+        return gate, boundary
+
+    def _probe(self, target: Target, facts: TargetFacts, out: Interval) -> None:
+        limit = facts.input_limit(self.ctx.context_override).as_int()
+        if limit is None:
+            out.notes.append("input limit unknown: no probes")
+            return
+        if not self._within_budget(PROBE_ROUND):
+            self.metrics.skipped.labels(self.url).inc()
+            out.notes.append("probe round skipped: request budget per minute reached")
+            return
+        a, b = self.ctx.client(target, "a"), self.ctx.client(target, "b")
+        if self.makers is None:
+            self.makers = Makers.of(a, b, facts, self.rng)
+        if self.config.canary:
+            pair = canary_pair(self.makers, facts, limit, self.rng, self.turn)
+            self.metrics.probes.labels(self.url, "canary").inc(pair.sent)
+            out.notes.append(pair.detail)
+            if pair.crossed:
+                out.crossed = True
+                self.metrics.crossings.labels(self.url).inc()
+        if self.config.timing:
+            self.metrics.probes.labels(self.url, "timing").inc(
+                self.timing.probe(b, limit, self.rng)
+            )
+            result = self.timing.judge()
+            floor = result.evidence.get("alarm_threshold_s")
+            if isinstance(floor, float):
+                self.metrics.prefill_floor.labels(self.url).set(floor)
+            out.notes.append(f"timing window: {result.verdict.value}: {result.summary}")
+            if too_fast(result):
+                out.too_fast = True
+                self.metrics.too_fast.labels(self.url).inc()
+        self.turn += 1
+
+    def _export_facts(self, facts: TargetFacts) -> None:
+        pool, ctx = facts.pool_tokens.as_int(), facts.context_length.as_int()
+        if pool is not None:
+            self.metrics.pool.labels(self.url).set(pool)
+        if ctx is not None:
+            self.metrics.context.labels(self.url).set(ctx)
+        if pool is not None and ctx is not None:
+            self.metrics.margin.labels(self.url).set(pool - ctx * self.config.headroom)
+
+    def _within_budget(self, n: int) -> bool:
+        now = time.monotonic()
+        while self.sent_at and now - self.sent_at[0] > 60.0:
+            self.sent_at.popleft()
+        return len(self.sent_at) + n <= self.config.requests_per_minute
+
+    def _charge(self, n: int) -> None:
+        now = time.monotonic()
+        self.sent_at.extend([now] * n)
+
+    def close(self) -> None:
+        self.ctx.close()

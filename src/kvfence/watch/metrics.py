@@ -1,0 +1,92 @@
+"""What the guard exports (prometheus-client, one registry per watcher, no module globals).
+
+Every gauge is labelled by `target`. `kvfence_guard_facts_known` is 0 whenever a
+target's capacity facts could not be read this interval (target down, facts
+absent, credential refused): the shipped rule GuardFactsUnknown alerts on it,
+so an unreadable target is never silence (fail closed).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class WatchMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=False)
+        r, t = self.registry, ["target"]
+        self.facts_known = Gauge(
+            "kvfence_guard_facts_known",
+            "1 when this interval read the target's pool and context, else 0 (never healthy)",
+            t,
+            registry=r,
+        )
+        self.gate_ok = Gauge(
+            "kvfence_guard_gate_ok",
+            "1 when the last capacity gate passed (pool >= context x headroom), else 0",
+            t,
+            registry=r,
+        )
+        self.boundary_ok = Gauge(
+            "kvfence_guard_boundary_ok",
+            "1 when the last boundary probe passed (limit and limit + 1), else 0",
+            t,
+            registry=r,
+        )
+        self.pool = Gauge("kvfence_guard_pool_tokens", "Live KV pool, in tokens", t, registry=r)
+        self.context = Gauge(
+            "kvfence_guard_context_tokens", "Advertised context length", t, registry=r
+        )
+        self.margin = Gauge(
+            "kvfence_guard_margin_tokens",
+            "pool - context x headroom (negative: the pool cannot hold one full context)",
+            t,
+            registry=r,
+        )
+        self.changes = Counter(
+            "kvfence_guard_fingerprint_changes",
+            "Times the capacity facts changed (each re-ran the gate and the boundary probe)",
+            t,
+            registry=r,
+        )
+        self.crossings = Counter(
+            "kvfence_guard_canary_crossings",
+            "Canary pairs where tenant A's sentinel reached tenant B",
+            t,
+            registry=r,
+        )
+        self.too_fast = Counter(
+            "kvfence_guard_prefill_floor_violations",
+            "Intervals whose timing window failed the prefill-latency analysis (signal 3)",
+            t,
+            registry=r,
+        )
+        self.prefill_floor = Gauge(
+            "kvfence_guard_prefill_floor_seconds",
+            "The fitted prefill time below which a long prompt is flagged",
+            t,
+            registry=r,
+        )
+        self.probes = Counter(
+            "kvfence_guard_probes",
+            "Requests the guard sent, by purpose",
+            ["target", "kind"],
+            registry=r,
+        )
+        self.skipped = Counter(
+            "kvfence_guard_probes_skipped",
+            "Probe rounds skipped to stay within the request budget per minute",
+            t,
+            registry=r,
+        )
+        self.last_success = Gauge(
+            "kvfence_guard_last_success_timestamp_seconds",
+            "Unix time of the last interval that read the target's facts",
+            t,
+            registry=r,
+        )
+
+    def start(self, target: str) -> None:
+        """Create every series at its resting value, so rate()/increase() see the first event."""
+        for c in (self.changes, self.crossings, self.too_fast, self.skipped):
+            c.labels(target).inc(0)
