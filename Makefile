@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install clean peers browser
+.PHONY: demo test lint install clean peers browser prometheus
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -24,8 +24,9 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 # The whole suite, peers and browser included: installed here (cached), so none of it skips.
-test: lint peers browser
-	KVFENCE_REQUIRE_PEERS=1 KVFENCE_REQUIRE_BROWSER=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+test: lint peers browser prometheus
+	KVFENCE_REQUIRE_PEERS=1 KVFENCE_REQUIRE_BROWSER=1 KVFENCE_REQUIRE_PROMETHEUS=1 \
+	  $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The real peer engines (vLLM CPU, llama-server) for tests/peers, cached outside the clone
 # in $KVFENCE_PEER_CACHE (default /var/cache/kvfence-peers): ~20 min cold, seconds warm.
@@ -39,6 +40,15 @@ browser:
 	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q chromium; \
 	fi
+
+# Debian's Prometheus (2.42, with promtool) for tests/watch/test_watch_prometheus.py: the
+# shipped alert rules in deploy/ are checked and fired against the real server on loopback.
+prometheus:
+	@if [ -x /usr/bin/prometheus ] && [ -x /usr/bin/promtool ]; then /usr/bin/prometheus --version 2>&1 | head -1; else \
+	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q --no-install-recommends prometheus; \
+	fi
+	/usr/bin/promtool check rules deploy/prometheus/kvfence-rules.yml
 
 clean:
 	rm -rf $(VENV)

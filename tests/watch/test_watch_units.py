@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 from kvfence.audit.base import CheckResult, Fact, Verdict
 from kvfence.audit.targets.base import TargetFacts
 from kvfence.watch.cli import parse_listen, verdict_of
 from kvfence.watch.fingerprint import Fingerprint
 from kvfence.watch.guard import Interval
+from kvfence.watch.metrics import WatchMetrics
 
 
 def facts(pool: int | None, faults: str = "none") -> TargetFacts:
@@ -41,3 +46,21 @@ def test_an_interval_is_graded_like_the_audit() -> None:
 def test_listen_address() -> None:
     assert parse_listen("127.0.0.1:0") == ("127.0.0.1", 0)
     assert parse_listen(":9100") == ("127.0.0.1", 9100)
+
+
+def test_dashboard_and_rules_name_only_metrics_that_exist() -> None:
+    """Every series the dashboard and the rules query is one the guard or kvfence exports."""
+    root = Path(__file__).resolve().parents[2] / "deploy"
+    dash = json.loads((root / "grafana" / "kvfence-guard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs.append((root / "prometheus" / "kvfence-rules.yml").read_text())
+    guard = {m.name for m in WatchMetrics().registry.collect()}
+    engine = {"kvfence_prefill_seconds", "kvfence_time_to_first_token_seconds"}
+    engine |= {"kvfence_request_prompt_tokens", "kvfence_request_cached_tokens"}
+    engine |= {f"kvfence_{n}" for n in ("isolation_violations", "transfer_mismatches")}
+    engine |= {"kvfence_transfer_failures"}
+    known = guard | engine
+    used = set(re.findall(r"\b(kvfence_[a-z_]+)", "\n".join(exprs)))
+    base = {re.sub(r"_(total|bucket)$", "", u) for u in used}  # counter / histogram series
+    assert base - known == set()
+    assert len(dash["panels"]) >= 10

@@ -21,7 +21,7 @@ from kvfence.audit.targets.base import Target, TargetFacts
 from kvfence.audit.targets.registry import make_target
 from kvfence.watch.fingerprint import Fingerprint
 from kvfence.watch.metrics import WatchMetrics
-from kvfence.watch.probes import Makers, TimingWindow, canary_pair, too_fast
+from kvfence.watch.probes import Makers, TimingWindow, canary_pair
 
 log = logging.getLogger(__name__)
 FOREVER_S = 10 * 365 * 86400.0  # the watcher's budget is per minute, not per run
@@ -152,12 +152,12 @@ class TargetGuard:
             self.metrics.probes.labels(self.url, "timing").inc(
                 self.timing.probe(b, limit, self.rng)
             )
-            result = self.timing.judge()
+            result, alarm = self.timing.judge()
             floor = result.evidence.get("alarm_threshold_s")
             if isinstance(floor, float):
                 self.metrics.prefill_floor.labels(self.url).set(floor)
             out.notes.append(f"timing window: {result.verdict.value}: {result.summary}")
-            if too_fast(result):
+            if alarm:
                 out.too_fast = True
                 self.metrics.too_fast.labels(self.url).inc()
         self.turn += 1

@@ -27,6 +27,11 @@ from kvfence.audit.targets.base import TargetFacts
 
 WINDOW = 48  # timing samples judged together; cleared when the capacity facts change
 REFS_PER_ROUND = 2  # shorter prompts timed per interval, beside one longest prompt
+# The guard judges its window over and over, under whatever load the engine has: it
+# alarms on the long bucket's lower quartile (a skipped prefill makes every long probe
+# fast; one lucky probe must not page anyone), and only when two windows in a row fail.
+WATCH_LATENCY = LatencyConfig(long_quantile=25.0)
+STREAK = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +85,14 @@ def canary_pair(
 class TimingWindow:
     """Fresh-prompt TTFTs at the sweep's lengths; judged as the audit's latency check."""
 
-    config: LatencyConfig = field(default_factory=LatencyConfig)
+    config: LatencyConfig = WATCH_LATENCY
     samples: deque[LatencySample] = field(default_factory=lambda: deque(maxlen=WINDOW))
     turn: int = 0
+    failing: int = 0  # consecutive failing windows
 
     def clear(self) -> None:
         self.samples.clear()
+        self.failing = 0
 
     def probe(self, client: ProbeClient, limit: int, rng: random.Random) -> int:
         """One round: the longest accepted prompt and REFS_PER_ROUND shorter ones. Returns sent."""
@@ -100,9 +107,8 @@ class TimingWindow:
                 self.samples.append(LatencySample(n, r.ttft_s, "ttft", f"{n} tokens"))
         return len(plan)
 
-    def judge(self) -> LatencyAnalysis:
-        return analyse(list(self.samples), self.config)
-
-
-def too_fast(result: LatencyAnalysis) -> bool:
-    return result.verdict is Verdict.FAIL
+    def judge(self) -> tuple[LatencyAnalysis, bool]:
+        """The window's analysis, and whether it is an alarm (STREAK failing windows in a row)."""
+        result = analyse(list(self.samples), self.config)
+        self.failing = self.failing + 1 if result.verdict is Verdict.FAIL else 0
+        return result, self.failing >= STREAK

@@ -1,0 +1,240 @@
+"""The shipped alert rules fire in a real Prometheus (Debian's 2.42) scraping `kvfence watch`.
+
+One guard watches three kvfence servers on loopback: the hardened engine (must
+fire nothing over the whole window), the workers-ai-2026 lab (CanaryCrossing,
+PrefillTooFast, KVPoolBelowContext) and a third server that is restarted with a
+smaller pool (KVPoolBelowContext, CapacityFactsChanged) and then stopped
+(GuardFactsUnknown). The rules are the shipped file, with only the `for:` holds
+of the two liveness alerts shortened so the test stays bounded; every
+expression is the one operators load. Needs /usr/bin/prometheus (`make
+prometheus`; CI sets KVFENCE_REQUIRE_PROMETHEUS=1, which forbids skipping).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+RULES = ROOT / "deploy" / "prometheus" / "kvfence-rules.yml"
+PROMETHEUS, PROMTOOL = shutil.which("prometheus"), shutil.which("promtool")
+KEYS = {"a": "watch-tenant-a-0123456789", "b": "watch-tenant-b-0123456789"}
+OPERATOR = "watch-operator-0123456789"
+COMMON = ("--model-kind", "mirror-body", "--preset", "demo", "--context-length", "512")
+LAB = (
+    "--disaggregated", "--kv-pages", "prefill=21,decode=64",
+    "--lab-fault", "undersized-pool", "--lab-fault", "abort-not-terminal",
+    "--lab-fault", "decode-trusts-bootstrap", "--lab-fault", "no-ledger-check",
+)  # fmt: skip
+HARDENED = ("--kv-pages", "64")
+# Weightless mirror: this target only changes size; its timing has no slope (never a FAIL).
+RESIZED_BEFORE = ("--model-kind", "mirror", "--kv-pages", "64")
+RESIZED_AFTER = ("--model-kind", "mirror", "--kv-pages", "21", "--allow-undersized-pool")
+
+
+def require_prometheus() -> tuple[str, str]:
+    if PROMETHEUS and PROMTOOL:
+        return PROMETHEUS, PROMTOOL
+    reason = "prometheus/promtool not installed (make prometheus)"
+    if os.environ.get("KVFENCE_REQUIRE_PROMETHEUS") == "1":
+        pytest.fail(reason + "; KVFENCE_REQUIRE_PROMETHEUS=1 forbids skipping")
+    pytest.skip(reason)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def kvfence_serve(tmp: Path, name: str, port: int, args: tuple[str, ...]) -> Iterator[str]:
+    tenants = tmp / "tenants.json"
+    tenants.write_text(
+        json.dumps(
+            {
+                "tenants": [{"name": t, "keys": [k]} for t, k in KEYS.items()],
+                "operator_keys": [OPERATOR],
+            }
+        )
+    )
+    cmd = [sys.executable, "-c", "from kvfence.cli import main; main()", "serve"]
+    cmd += ["--port", str(port), "--tenants", str(tenants), *COMMON, *args]
+    with open(tmp / f"{name}.log", "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(proc)
+
+
+def wait_healthy(url: str, timeout_s: float = 240.0) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"{url} did not become healthy")
+
+
+@contextmanager
+def guard(tmp: Path, urls: list[str]) -> Iterator[str]:
+    cmd = [sys.executable, "-c", "from kvfence.cli import main; main()", "watch"]
+    for u in urls:
+        cmd += ["--target", u]
+    cmd += ["--key-a", KEYS["a"], "--key-b", KEYS["b"], "--operator-key", OPERATOR]
+    cmd += ["--interval", "1", "--requests-per-minute", "600", "--listen", "127.0.0.1:0"]
+    log_path = tmp / "guard.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        end = time.monotonic() + 60
+        while not (m := re.search(r"guard metrics at (http://\S+)/metrics", log_path.read_text())):
+            assert proc.poll() is None and time.monotonic() < end, log_path.read_text()
+            time.sleep(0.2)
+        yield m.group(1)
+    finally:
+        stop(proc)
+
+
+@contextmanager
+def prometheus(tmp: Path, guard_url: str) -> Iterator[str]:
+    binary, _ = require_prometheus()
+    rules = RULES.read_text().replace("for: 30s", "for: 2s").replace("for: 1m", "for: 2s")
+    (tmp / "rules.yml").write_text(rules)
+    (tmp / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        "rule_files: [rules.yml]\n"
+        "scrape_configs:\n"
+        f"  - job_name: kvfence-guard\n    static_configs: [{{targets: ['{guard_url[7:]}']}}]\n"
+    )
+    port = free_port()
+    cmd = [binary, f"--config.file={tmp / 'prometheus.yml'}"]
+    cmd += [f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"]
+    with open(tmp / "prometheus.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url)
+        yield url
+    finally:
+        stop(proc)
+
+
+def wait_ready(url: str) -> None:
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        try:
+            if httpx.get(url + "/-/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError("prometheus did not become ready")
+
+
+class Alerts:
+    """Polls /api/v1/alerts; remembers every (alert, target) ever seen pending or firing."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.seen: set[tuple[str, str, str]] = set()
+
+    def poll(self) -> set[tuple[str, str]]:
+        data = httpx.get(self.url + "/api/v1/alerts", timeout=5).json()["data"]["alerts"]
+        for a in data:
+            self.seen.add((a["labels"]["alertname"], a["labels"].get("target", ""), a["state"]))
+        return {
+            (a["labels"]["alertname"], a["labels"].get("target", ""))
+            for a in data
+            if a["state"] == "firing"
+        }
+
+    def wait_firing(self, wanted: set[tuple[str, str]], timeout_s: float) -> float:
+        t0 = time.monotonic()
+        firing: set[tuple[str, str]] = set()
+        while time.monotonic() - t0 < timeout_s:
+            firing = self.poll()
+            if wanted <= firing:
+                return time.monotonic() - t0
+            time.sleep(0.5)
+        raise AssertionError(f"not firing after {timeout_s} s: {wanted - firing}; firing: {firing}")
+
+
+def test_shipped_rules_pass_promtool() -> None:
+    _, promtool = require_prometheus()
+    out = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True)
+    assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
+
+
+def test_alerts_fire_in_a_real_prometheus(tmp_path: Path) -> None:
+    require_prometheus()
+    ports = {name: free_port() for name in ("hardened", "lab", "resized")}
+    dirs = {name: tmp_path / name for name in ports}
+    for d in dirs.values():
+        d.mkdir()
+    with ExitStack() as stack:
+        hardened = stack.enter_context(
+            kvfence_serve(dirs["hardened"], "h", ports["hardened"], HARDENED)
+        )
+        lab = stack.enter_context(kvfence_serve(dirs["lab"], "l", ports["lab"], LAB))
+        resized_run = ExitStack()
+        resized = resized_run.enter_context(
+            kvfence_serve(dirs["resized"], "r1", ports["resized"], RESIZED_BEFORE)
+        )
+        stack.callback(resized_run.close)
+        for url in (hardened, lab, resized):
+            wait_healthy(url)
+        g = stack.enter_context(guard(tmp_path, [hardened, lab, resized]))
+        alerts = Alerts(stack.enter_context(prometheus(tmp_path, g)))
+        # The lab: signal 1, 2 and 3 all fire.
+        lab_s = alerts.wait_firing(
+            {("KVPoolBelowContext", lab), ("CanaryCrossing", lab), ("PrefillTooFast", lab)}, 90
+        )
+        # A restart with a smaller pool: the guard re-gates at once (checklist item 5).
+        resized_run.close()
+        resized_run = ExitStack()
+        stack.callback(resized_run.close)
+        resized_run.enter_context(
+            kvfence_serve(dirs["resized"], "r2", ports["resized"], RESIZED_AFTER)
+        )
+        wait_healthy(resized)
+        resize_s = alerts.wait_firing(
+            {("KVPoolBelowContext", resized), ("CapacityFactsChanged", resized)}, 60
+        )
+        # A stopped target is an alert, never silence.
+        resized_run.close()
+        down_s = alerts.wait_firing({("GuardFactsUnknown", resized)}, 60)
+        alerts.poll()
+    # The hardened engine, watched over the same window, fired nothing (not even pending).
+    assert [s for s in alerts.seen if s[1] == hardened] == []
+    assert ("GuardDown", "", "firing") not in alerts.seen
+    print(f"lab alerts after {lab_s:.1f} s, resize {resize_s:.1f} s, stop {down_s:.1f} s")
