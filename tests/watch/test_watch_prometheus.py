@@ -217,7 +217,7 @@ def test_alerts_fire_in_a_real_prometheus(tmp_path: Path) -> None:
         alerts = Alerts(stack.enter_context(prometheus(tmp_path, g)))
         # The lab: signal 1, 2 and 3 all fire.
         lab_s = alerts.wait_firing(
-            {("KVPoolBelowContext", lab), ("CanaryCrossing", lab), ("PrefillTooFast", lab)}, 90
+            {("KVPoolBelowContext", lab), ("CanaryCrossing", lab), ("PrefillTooFast", lab)}, 180
         )
         # A restart with a smaller pool: the guard re-gates at once (checklist item 5).
         resized_run.close()

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import random
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from kvfence.audit.base import CheckResult, Fact, Verdict
+from kvfence.audit.latency import LatencySample
 from kvfence.audit.targets.base import TargetFacts
 from kvfence.watch.cli import parse_listen, verdict_of
 from kvfence.watch.fingerprint import Fingerprint
 from kvfence.watch.guard import Interval
 from kvfence.watch.metrics import WatchMetrics
+from kvfence.watch.probes import TimingWindow
 
 
 def facts(pool: int | None, faults: str = "none") -> TargetFacts:
@@ -64,3 +68,29 @@ def test_dashboard_and_rules_name_only_metrics_that_exist() -> None:
     base = {re.sub(r"_(total|bucket)$", "", u) for u in used}  # counter / histogram series
     assert base - known == set()
     assert len(dash["panels"]) >= 10
+
+
+def _window(seconds_of: Callable[[int, random.Random], float], seed: int = 0) -> TimingWindow:
+    rng = random.Random(seed)
+    w = TimingWindow()
+    for n in (16, 38, 90, 214, 511) * 6:
+        w.samples.append(LatencySample(n, seconds_of(n, rng), "ttft", f"{n}"))
+    return w
+
+
+def test_timing_alarm_needs_established_physics_and_two_failing_windows() -> None:
+    def noise(rng: random.Random) -> float:
+        return 0.05 + rng.expovariate(1 / 0.02)  # load only ever adds delay
+
+    def real(n: int, rng: random.Random) -> float:
+        return 0.2e-3 * n + noise(rng)
+
+    def skipped(n: int, rng: random.Random) -> float:  # the lab: over-pool = 1-token placeholder
+        return real(1 if n > 336 else n, rng)
+
+    lab = _window(skipped)
+    assert lab.judge()[1] is False and lab.judge()[1] is True  # the second failing window
+    for seed in range(20):
+        flat, paid = _window(lambda n, r: noise(r), seed), _window(real, seed)
+        assert not any(flat.judge()[1] for _ in range(3))  # no prefill cost: never an alarm
+        assert not any(paid.judge()[1] for _ in range(3))  # prefill paid: never an alarm

@@ -29,7 +29,10 @@ WINDOW = 48  # timing samples judged together; cleared when the capacity facts c
 REFS_PER_ROUND = 2  # shorter prompts timed per interval, beside one longest prompt
 # The guard judges its window over and over, under whatever load the engine has: it
 # alarms on the long bucket's lower quartile (a skipped prefill makes every long probe
-# fast; one lucky probe must not page anyone), and only when two windows in a row fail.
+# fast; one lucky probe must not page anyone), only when two windows in a row fail, and
+# only when the physics is established beyond the audit's own bar: the slope's 95% CI
+# excludes 0 and the predicted extra cost clears k x the spread of *every* shorter probe,
+# not only the short bucket's (an engine with no measurable prefill cost never alarms).
 WATCH_LATENCY = LatencyConfig(long_quantile=25.0)
 STREAK = 2
 
@@ -110,5 +113,12 @@ class TimingWindow:
     def judge(self) -> tuple[LatencyAnalysis, bool]:
         """The window's analysis, and whether it is an alarm (STREAK failing windows in a row)."""
         result = analyse(list(self.samples), self.config)
-        self.failing = self.failing + 1 if result.verdict is Verdict.FAIL else 0
+        failed = result.verdict is Verdict.FAIL and self.established(result)
+        self.failing = self.failing + 1 if failed else 0
         return result, self.failing >= STREAK
+
+    def established(self, result: LatencyAnalysis) -> bool:
+        fit, increment = result.fit, result.evidence.get("predicted_prefill_increment_s")
+        if fit is None or not isinstance(increment, float):
+            return False
+        return fit.slope_low > 0 and increment >= self.config.tolerance_sigmas * fit.residual_sigma
