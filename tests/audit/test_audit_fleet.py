@@ -26,7 +26,6 @@ from sglang_worker import SglangWorker, WorkerSpec
 
 from kvfence.cli import main
 
-pytest.importorskip("sglang_router")
 pytestmark = pytest.mark.slow
 
 CONTEXT = 4096
