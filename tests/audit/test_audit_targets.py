@@ -10,7 +10,7 @@ from audit_replay import ReplayServer, Route
 
 from kvfence.audit.base import Budget, BudgetExhausted
 from kvfence.audit.client import ProbeClient
-from kvfence.audit.targets.registry import DetectionError, detect, make_target
+from kvfence.audit.targets.registry import DetectionError, detect
 
 
 @pytest.fixture
@@ -37,24 +37,6 @@ def test_llamacpp_claims_only_the_per_slot_lower_bound(
     assert facts.max_input.value == 4095
     assert facts.cache_salt_supported.value is False
     assert not facts.page_size.known
-
-
-def test_tgi_facts_old_and_new(replay: ReplayServer, client: ProbeClient) -> None:
-    replay.file("/info", "tgi_info.json")
-    target = detect(replay.url, client)
-    assert target.engine == "tgi"
-    facts = target.facts(client)
-    assert facts.pool_tokens.value == 37872
-    assert facts.max_input.value == 1024
-    assert facts.context_length.value == 2048
-    assert facts.model.value == "bigscience/bloom-560m"
-
-
-def test_tgi_new_has_no_pool(replay: ReplayServer, client: ProbeClient) -> None:
-    replay.file("/info", "tgi_info_new.json")
-    facts = make_target(replay.url, "tgi", client).facts(client)
-    assert not facts.pool_tokens.known
-    assert "absent" in facts.pool_tokens.note
 
 
 def test_generic_openai_knows_no_capacity(replay: ReplayServer, client: ProbeClient) -> None:
