@@ -62,6 +62,8 @@ def fleet(specs: list[WorkerSpec], log: Path) -> Iterator[tuple[str, list[Sglang
         else:
             cmd += ["--decode", w.url]
     cmd += ["--host", "127.0.0.1", "--port", str(port)]
+    # its Prometheus exporter binds a fixed default port otherwise: parallel runs collide
+    cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

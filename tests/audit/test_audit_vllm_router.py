@@ -54,6 +54,8 @@ def vllm_fleet(pools: list[int], log: Path) -> Iterator[tuple[str, list[ReplaySe
     for state, _ in nodes[:-1]:
         cmd += ["--prefill", state.url]
     cmd += ["--decode", nodes[-1][0].url, "--host", "127.0.0.1", "--port", str(port)]
+    # its Prometheus exporter binds a fixed default port otherwise: parallel runs collide
+    cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
