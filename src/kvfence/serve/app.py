@@ -19,12 +19,14 @@ from kvfence.engine.backend import Backend
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve import protocol
 from kvfence.serve.admission import Admission
+from kvfence.serve.body import read_body
 from kvfence.serve.config import Capacity, ServeConfig, decide_capacity
 from kvfence.serve.errors import INTERNAL_ERROR, ApiError
 from kvfence.serve.fields import load_json
 from kvfence.serve.info import server_info
 from kvfence.serve.metrics import RouterCounters, make_registry, render
-from kvfence.serve.router import Router, read_body
+from kvfence.serve.openapi import build_openapi
+from kvfence.serve.router import Router
 from kvfence.serve.tenants import TenantRegistry
 
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -78,7 +80,7 @@ def create_app(
         return admission.authenticate(request.headers.get("authorization"))
 
     async def body(request: Request) -> dict[str, Any]:
-        return load_json(await read_body(request, admission.body_limit))
+        return load_json(await read_body(request, admission.body_limit, config.body_timeout_s))
 
     def model_of(obj: dict[str, Any]) -> str | None:
         return obj.get("model") if isinstance(obj.get("model"), str) else None
@@ -163,6 +165,13 @@ def create_app(
     async def info(request: Request) -> dict[str, Any]:
         authenticate(request)
         return server_info(config, capacity, backend.stats(), tenants.auth)
+
+    schema = build_openapi(config, capacity)
+
+    @app.get("/openapi.json")
+    async def openapi(request: Request) -> dict[str, Any]:
+        authenticate(request)
+        return schema
 
     app.add_api_route("/server_info", info, methods=["GET"])
     app.add_api_route("/get_server_info", info, methods=["GET"])

@@ -26,6 +26,7 @@ from kvfence.engine.backend import Backend, GenerateWork
 from kvfence.engine.messages import ErrorInfo, Failure, TokenChunk
 from kvfence.faults import Fault
 from kvfence.serve.admission import Admission, Prepared
+from kvfence.serve.body import read_body
 from kvfence.serve.config import ServeConfig
 from kvfence.serve.errors import INTERNAL_ERROR, ApiError
 from kvfence.serve.metrics import Outcome, RouterCounters
@@ -154,7 +155,7 @@ class Router:
     async def generate(self, request: Request, kind: Kind) -> Response:
         try:
             tenant = self.admission.authenticate(request.headers.get("authorization"))
-            body = await read_body(request, self.admission.body_limit)
+            body = await read_body(request, self.admission.body_limit, self.config.body_timeout_s)
             run = self.submit(self.admission.admit(kind, tenant, body))
         except ApiError as e:
             self.counters.rejected(e.code or e.type)
@@ -314,15 +315,3 @@ class Router:
 
     def _usage(self, run: Run, out: OutputAssembler) -> dict[str, Any]:
         return usage(len(run.prep.prompt_ids), out.completion_tokens, out.cached_tokens)
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(
-                413, f"request body exceeds {limit} bytes", param=None, code="body_too_large"
-            )
-        chunks.append(chunk)
-    return b"".join(chunks)
