@@ -123,16 +123,7 @@ class VllmTarget(Target):
         model, entry = models_fact(ep)
         facts = TargetFacts(engine=Fact("vllm", "GET /metrics vllm:*"), model=model)
         mml, _ = json_int(entry, "max_model_len")
-        if mml is not None:
-            facts.context_length = Fact(mml, "GET /v1/models data[0].max_model_len")
-            facts.max_input = Fact(
-                mml - 1,
-                "GET /v1/models data[0].max_model_len - 1",
-                "vLLM rejects prompt + max_tokens > max_model_len",
-            )
-        else:
-            facts.context_length = Fact.unknown("GET /v1/models data[0].max_model_len", "absent")
-            facts.max_input = facts.context_length
+        facts.context_length, facts.max_input = _limits(mml)
         samples = ep.metrics()
         infos = samples_named(samples or [], CACHE_INFO)
         if samples is None:
@@ -163,6 +154,16 @@ class VllmTarget(Target):
 
     def read_counters(self, client: ProbeClient) -> dict[str, Fact]:
         return nixl_counters(Endpoints(client).metrics())
+
+
+def _limits(mml: int | None) -> tuple[Fact, Fact]:
+    """(context, longest prompt with max_tokens=1) from /v1/models max_model_len."""
+    src = "GET /v1/models data[0].max_model_len"
+    if mml is None:
+        unknown = Fact.unknown(src, "absent")
+        return unknown, unknown
+    rule = "vLLM rejects prompt + max_tokens > max_model_len"
+    return Fact(mml, src), Fact(mml - 1, f"{src} - 1", rule)
 
 
 def cache_facts(facts: TargetFacts, series: list[dict[str, str]]) -> None:
