@@ -10,14 +10,16 @@ the engine enforces:
 - scheduler: reject `input >= max_req_input_len`, where
   `max_req_input_len = min(context_len - 1, token_capacity - 1) - 5`.
 
-Text is "tokenized" one character per token; an accepted completion echoes
-the start of its own prompt (the content checks can tell it is its own).
+Text is "tokenized" one whitespace-separated word per token; an accepted
+completion echoes the start of its own prompt (the content checks can tell
+it is its own).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -135,6 +137,8 @@ class SglangWorker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self.seen: list[str] = []
+        self.hide_info = False  # True: /server_info answers 404 (an unreadable node)
+        self.on_post: Callable[[str, dict[str, Any]], None] | None = None  # test hook
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
         self._thread = threading.Thread(
@@ -151,7 +155,7 @@ class SglangWorker:
         spec = self.spec
         if path in ("/health", "/health_generate"):
             return 200, "", "text/plain"
-        if path in ("/server_info", "/get_server_info"):
+        if path in ("/server_info", "/get_server_info") and not self.hide_info:
             return 200, json.dumps(server_info(spec)), "application/json"
         if path in ("/model_info", "/get_model_info"):
             body = {
@@ -176,13 +180,16 @@ class SglangWorker:
         return 404, json.dumps({"detail": "Not Found"}), "application/json"
 
     def _post(self, path: str, body: dict[str, Any]) -> tuple[int, str, str]:
+        if self.on_post is not None:
+            self.on_post(path, body)
         if path == "/tokenize":
-            text = str(body.get("prompt", ""))
-            return 200, json.dumps({"tokens": [ord(c) % 500 for c in text]}), "application/json"
+            words = str(body.get("prompt", "")).split()
+            return 200, json.dumps({"tokens": [len(w) for w in words]}), "application/json"
         if path not in ("/v1/completions", "/generate"):
             return 404, json.dumps({"detail": "Not Found"}), "application/json"
         prompt = body.get("prompt", body.get("text", body.get("input_ids", "")))
-        n = len(prompt) if isinstance(prompt, list | str) else 0
+        words = prompt.split() if isinstance(prompt, str) else None
+        n = len(words) if words is not None else len(prompt) if isinstance(prompt, list) else 0
         max_new = int(
             body.get("max_tokens", (body.get("sampling_params") or {}).get("max_new_tokens", 16))
         )
@@ -190,7 +197,7 @@ class SglangWorker:
         if why is not None:
             err = {"object": "error", "message": why, "type": "BadRequestError", "code": 400}
             return 400, json.dumps(err), "application/json"
-        text = prompt[: max(1, max_new)] if isinstance(prompt, str) else " ".join(["tok"] * max_new)
+        text = " ".join(words[:max_new]) if words else " ".join(["tok"] * max_new)
         out = {
             "id": "cmpl-1",
             "object": "text_completion",

@@ -37,7 +37,7 @@ class CapacityCheck(Check):
             "detected_by": target.detected_by,
         }
         if facts.nodes:
-            return self._fleet(ctx, target, facts.nodes, evidence)
+            return self._fleet(ctx, target, facts.nodes, facts.context_length, evidence)
         role = facts.extra.get("pd_role")
         if role is not None and role.value == "decode":
             evidence["pd_role"] = role.to_json()
@@ -100,7 +100,12 @@ class CapacityCheck(Check):
         )
 
     def _fleet(
-        self, ctx: AuditContext, target: Target, nodes: list[NodeFacts], evidence: dict[str, Any]
+        self,
+        ctx: AuditContext,
+        target: Target,
+        nodes: list[NodeFacts],
+        fleet_context: Fact,
+        evidence: dict[str, Any],
     ) -> CheckResult:
         """Every prefill node gated on its own pool against its own context (I4 per node)."""
         rows: list[dict[str, Any]] = []
@@ -108,7 +113,8 @@ class CapacityCheck(Check):
         for node in nodes:
             row: dict[str, Any] = {"node": node.url, **node.to_json()}
             if node.prefills:
-                context = _context_fact(ctx, target, node.context_length)
+                own = node.context_length
+                context = _context_fact(ctx, target, own if own.known else fleet_context)
                 res = self._gate(target, node.pool_tokens, context, ctx.headroom, {})
                 row.update(gated=True, verdict=res.verdict.value, detail=res.summary)
                 verdicts.append(res.verdict)
