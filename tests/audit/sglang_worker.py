@@ -10,14 +10,16 @@ the engine enforces:
 - scheduler: reject `input >= max_req_input_len`, where
   `max_req_input_len = min(context_len - 1, token_capacity - 1) - 5`.
 
-Text is "tokenized" one character per token; an accepted completion echoes
-the start of its own prompt (the content checks can tell it is its own).
+Text is "tokenized" one whitespace-separated word per token; an accepted
+completion echoes the start of its own prompt (the content checks can tell
+it is its own).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -34,11 +36,14 @@ class WorkerSpec:
     bootstrap_port: int | None = None
     counters: dict[str, float] = field(default_factory=dict)
     enable_metrics: bool = True
+    # how a request picks its DP rank: "round_robin", or "most_free" (SGLang's
+    # minimum-tokens balancing on an idle node: the rank with the largest pool)
+    dp_balance: str = "round_robin"
 
 
-def max_req_input_len(spec: WorkerSpec) -> int:
-    """0.5.23 tp_worker: min(context_len - 1, kv_capacity - 1) - 5, from rank 0 (infos[0])."""
-    return min(spec.context_len - 1, spec.capacities[0] - 1) - 5
+def max_req_input_len(spec: WorkerSpec, rank: int = 0) -> int:
+    """0.5.23 tp_worker: min(context_len - 1, kv_capacity - 1) - 5, per rank (reported: rank 0's)."""
+    return min(spec.context_len - 1, spec.capacities[rank] - 1) - 5
 
 
 def server_info(spec: WorkerSpec) -> dict[str, Any]:
@@ -119,12 +124,12 @@ def metrics(spec: WorkerSpec) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _reject(spec: WorkerSpec, n: int, max_new: int) -> str | None:
+def _reject(spec: WorkerSpec, n: int, max_new: int, rank: int) -> str | None:
     if n >= spec.context_len:
         return f"The input ({n} tokens) is longer than the model's context length"
     if n + max_new > spec.context_len:
         return "Requested token count exceeds the model's maximum context length"
-    if n >= max_req_input_len(spec):
+    if n >= max_req_input_len(spec, rank):  # the scheduler of the rank the request landed on
         return f"Input length ({n} tokens) exceeds the maximum allowed length"
     return None
 
@@ -135,6 +140,9 @@ class SglangWorker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self.seen: list[str] = []
+        self.requests = 0
+        self.hide_info = False  # True: /server_info answers 404 (an unreadable node)
+        self.on_post: Callable[[str, dict[str, Any]], None] | None = None  # test hook
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
         self._thread = threading.Thread(
@@ -151,7 +159,7 @@ class SglangWorker:
         spec = self.spec
         if path in ("/health", "/health_generate"):
             return 200, "", "text/plain"
-        if path in ("/server_info", "/get_server_info"):
+        if path in ("/server_info", "/get_server_info") and not self.hide_info:
             return 200, json.dumps(server_info(spec)), "application/json"
         if path in ("/model_info", "/get_model_info"):
             body = {
@@ -176,21 +184,31 @@ class SglangWorker:
         return 404, json.dumps({"detail": "Not Found"}), "application/json"
 
     def _post(self, path: str, body: dict[str, Any]) -> tuple[int, str, str]:
+        if self.on_post is not None:
+            self.on_post(path, body)
         if path == "/tokenize":
-            text = str(body.get("prompt", ""))
-            return 200, json.dumps({"tokens": [ord(c) % 500 for c in text]}), "application/json"
+            words = str(body.get("prompt", "")).split()
+            return 200, json.dumps({"tokens": [len(w) for w in words]}), "application/json"
         if path not in ("/v1/completions", "/generate"):
             return 404, json.dumps({"detail": "Not Found"}), "application/json"
         prompt = body.get("prompt", body.get("text", body.get("input_ids", "")))
-        n = len(prompt) if isinstance(prompt, list | str) else 0
+        words = prompt.split() if isinstance(prompt, str) else None
+        n = len(words) if words is not None else len(prompt) if isinstance(prompt, list) else 0
         max_new = int(
             body.get("max_tokens", (body.get("sampling_params") or {}).get("max_new_tokens", 16))
         )
-        why = _reject(self.spec, n, max_new)
+        self.requests += 1
+        caps = self.spec.capacities
+        rank = (
+            caps.index(max(caps))
+            if self.spec.dp_balance == "most_free"
+            else self.requests % len(caps)
+        )
+        why = _reject(self.spec, n, max_new, rank)
         if why is not None:
             err = {"object": "error", "message": why, "type": "BadRequestError", "code": 400}
             return 400, json.dumps(err), "application/json"
-        text = prompt[: max(1, max_new)] if isinstance(prompt, str) else " ".join(["tok"] * max_new)
+        text = " ".join(words[:max_new]) if words else " ".join(["tok"] * max_new)
         out = {
             "id": "cmpl-1",
             "object": "text_completion",

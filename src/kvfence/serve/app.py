@@ -20,13 +20,15 @@ from kvfence.engine.backend import Backend
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve import protocol
 from kvfence.serve.admission import Admission
+from kvfence.serve.body import read_body
 from kvfence.serve.config import Capacity, ServeConfig, decide_capacity
 from kvfence.serve.errors import INTERNAL_ERROR, ApiError
 from kvfence.serve.fields import load_json
 from kvfence.serve.info import server_info, tenant_view
 from kvfence.serve.metrics import RouterCounters, make_registry, render
+from kvfence.serve.openapi import build_openapi
 from kvfence.serve.request_log import RequestLatency
-from kvfence.serve.router import Router, read_body
+from kvfence.serve.router import Router
 from kvfence.serve.tenants import TenantRegistry
 
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -82,7 +84,7 @@ def create_app(
         return admission.authenticate(request.headers.get("authorization"))
 
     async def body(request: Request) -> dict[str, Any]:
-        return load_json(await read_body(request, admission.body_limit))
+        return load_json(await read_body(request, admission.body_limit, config.body_timeout_s))
 
     def model_of(obj: dict[str, Any]) -> str | None:
         return obj.get("model") if isinstance(obj.get("model"), str) else None
@@ -92,8 +94,8 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, e: ApiError) -> Response:
-        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+        return JSONResponse(e.body(), status_code=e.status, headers={**headers, **e.headers})
 
     @app.exception_handler(Exception)
     async def internal(_request: Request, _e: Exception) -> Response:
@@ -166,10 +168,19 @@ def create_app(
 
     async def info(request: Request) -> dict[str, Any]:
         tenant = admission.viewer(request.headers.get("authorization"))
-        full = server_info(config, capacity, backend.stats(), tenants.auth)
-        if tenant is None:
-            return full
+        if tenant is None:  # the operator: every tenant's limits and usage (operator data)
+            every = {"tenants": admission.limits.report_all()}
+            return server_info(config, capacity, backend.stats(), tenants.auth, every)
+        own = admission.limits.report(tenant)
+        full = server_info(config, capacity, backend.stats(), tenants.auth, own)
         return tenant_view(full, tenant, sum(t == tenant for t in router.rooms.values()))
+
+    schema = build_openapi(config, capacity)
+
+    @app.get("/openapi.json")
+    async def openapi(request: Request) -> dict[str, Any]:
+        authenticate(request)
+        return schema
 
     app.add_api_route("/server_info", info, methods=["GET"])
     app.add_api_route("/get_server_info", info, methods=["GET"])
