@@ -68,7 +68,8 @@ class Cluster:
     def counters(self) -> Counter[str]:
         """The server's request outcomes, read from /metrics as any operator would."""
         text = httpx.get(
-            self.url + "/metrics", headers={"Authorization": f"Bearer {self.key('t00')}"}
+            self.url + "/metrics",
+            headers={"Authorization": f"Bearer {self.tenants.operator_keys[0]}"},
         ).text
         out: Counter[str] = Counter()
         for line in text.splitlines():

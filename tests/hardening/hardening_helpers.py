@@ -36,8 +36,12 @@ class Live:
     def auth(self, tenant: str | None = None) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.key(tenant)}"}
 
+    def operator_auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.tenants.operator_keys[0]}"}
+
     def info(self) -> dict[str, Any]:
-        r = httpx.get(self.url + "/server_info", headers=self.auth(), timeout=30)
+        """The operator's /server_info (live pool usage is operator data)."""
+        r = httpx.get(self.url + "/server_info", headers=self.operator_auth(), timeout=30)
         assert r.status_code == 200, r.text
         return dict(r.json())
 
@@ -76,6 +80,8 @@ def live_server(
     )
     parts = replace(parts, config=replace(parts.config, body_timeout_s=body_timeout_s))
     registry = tenants or TenantRegistry.generate(("a", "b"))
+    if not registry.operator_keys and registry.auth != "none":
+        registry = registry.with_operator_keys(("hardening-operator-key-0001",))
     app = create_app(parts.pipeline, parts.loaded.tokenizer, parts.config, registry)
     parts.pipeline.start()
     try:

@@ -47,7 +47,9 @@ def _still_healthy(server: Live) -> Iterator[None]:
 
 
 def _five_hundreds(server: Live) -> float:
-    text = httpx.get(server.url + "/metrics", headers=server.auth(), timeout=IO_TIMEOUT_S).text
+    text = httpx.get(
+        server.url + "/metrics", headers=server.operator_auth(), timeout=IO_TIMEOUT_S
+    ).text
     total = 0.0
     for line in text.splitlines():
         if line.startswith("kvfence_http_responses_total") and 'status="5' in line:

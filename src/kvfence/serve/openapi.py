@@ -35,6 +35,7 @@ JSON = "application/json"
 ERROR_REF = {"$ref": "#/components/schemas/Error"}
 # Statuses every authenticated route can answer, besides its own.
 AUTH_ERRORS = {"401": "missing or invalid API key", "429": "tenant over its admission limits"}
+OPERATOR_ONLY = {"403": "a tenant key on operator data (send an operator key)"}
 
 
 def nullable(schema: Schema) -> Schema:
@@ -204,6 +205,12 @@ def _json_body(schema: Schema) -> Schema:
     return {"required": True, "content": {JSON: {"schema": schema}}}
 
 
+def _with_error(docs: dict[str, str]) -> dict[str, Schema]:
+    return {
+        s: {"description": d, "content": {JSON: {"schema": ERROR_REF}}} for s, d in docs.items()
+    }
+
+
 def _errors(*statuses: str, auth: bool = True) -> dict[str, Schema]:
     docs = {
         "400": "a field is invalid or over its limit; `error.param` names it",
@@ -272,7 +279,12 @@ def build_openapi(config: ServeConfig, capacity: Capacity) -> dict[str, Any]:
         "/v1/models": {"get": _op("models", _ok(shapes.models()) | _errors())},
         "/server_info": {"get": _op("server_info", _ok(shapes.server_info()) | _errors())},
         "/get_server_info": {"get": _op("get_server_info", _ok(shapes.server_info()) | _errors())},
-        "/metrics": {"get": _op("metrics", _ok({"type": "string"}, "text/plain") | _errors())},
+        "/metrics": {
+            "get": _op(
+                "metrics",
+                _ok({"type": "string"}, "text/plain") | _errors() | _with_error(OPERATOR_ONLY),
+            )
+        },
         "/openapi.json": {"get": _op("openapi", _ok({"type": "object"}) | _errors())},
         "/health": {
             "get": {

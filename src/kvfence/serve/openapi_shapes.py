@@ -91,9 +91,13 @@ def models() -> Schema:
 
 
 def server_info() -> Schema:
-    """The audit kit's contract: these keys are always there; new ones may be added."""
-    pool = {"type": "object", "required": ["role", "pages_used", "pages_free", "page_size"]}
-    return _obj(
+    """The audit kit's contract: these keys are always there; new ones may be added.
+
+    Live pool usage (`pools[].pages_*`) and `lab` are operator data: present for the
+    operator key, absent for a tenant key (which gets its own `usage` instead).
+    """
+    pool = {"type": "object", "required": ["role", "page_size"]}
+    shape = _obj(
         {
             "engine": {"enum": ["kvfence"]},
             "version": STR,
@@ -110,3 +114,5 @@ def server_info() -> Schema:
         },
         closed=False,
     )
+    shape["required"] = [k for k in shape["required"] if k != "lab"]
+    return shape
