@@ -17,7 +17,13 @@ from transfer_children import GEOM, PROMPT, Job, dying_tcp_sender, source_pool
 from kvfence.faults import Fault, FaultSet
 from kvfence.kv.pool import KVPool, PageHandle
 
-IN_PLACE = ["inprocess", pytest.param("shm", marks=pytest.mark.slow)]
+IN_PLACE = [
+    "inprocess",
+    pytest.param("shm", marks=pytest.mark.slow),
+    # Real engines that know no pages: a late write lands wherever the grant said.
+    pytest.param("mooncake", marks=pytest.mark.slow),
+    pytest.param("nixl", marks=pytest.mark.slow),
+]
 MARKER = 7.0  # the other owner's own KV
 
 
