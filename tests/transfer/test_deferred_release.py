@@ -88,8 +88,10 @@ def test_abort_during_transfer(transport: str, early_free: bool) -> None:
 
 
 @pytest.mark.slow
-def test_a_dead_shm_sender_counts_as_cancelled() -> None:
-    decode = Decode("shm")
+@pytest.mark.parametrize("transport", ["shm", "mooncake", "nixl"])
+def test_a_dead_in_place_sender_counts_as_cancelled(transport: str) -> None:
+    """A prefill dying between the grant and the end of its writes (kill prefill mid-transfer)."""
+    decode = Decode(transport)
     try:
         res = decode.reserve("orphan")
         with prefill(decode, [job(res, seed=2, hold="die")]) as conn:
