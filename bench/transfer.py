@@ -11,7 +11,7 @@ of a few repetitions:
             wall time from "send this request" to decode's TransferDone,
             including prefill's checksum of what it sends (mooncake: its
             TransferEngine over TCP; nixl: a UCX WRITE with a notification)
-  recon     decode's `Landed.accept`: manifest checks + checksum compare
+  recon     decode's reconcile (I3): manifest checks + checksum compare
             (TCP checksums while receiving; the in-place backends checksum
             decode's pages here)
 
@@ -32,10 +32,11 @@ import numpy as np
 import torch
 
 from kvfence.engine.messages import PageRef, TransferDone
-from kvfence.engine.reconcile import Reservation
+from kvfence.engine.prefill import OutboundTransfer
+from kvfence.engine.reconcile import Reservation, payload_checksum, reconcile
 from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import KVPool
-from kvfence.serve.transfer import Landed, ManifestFields, framing, get_transport
+from kvfence.serve.transfer import Landed, framing, get_transport
 from kvfence.serve.transfer.listener import tune
 
 SEED = 1234
@@ -74,7 +75,9 @@ def prefill_main(transport: str, address: str, conn: Connection) -> None:
     while (cmd := conn.recv()) is not None:
         room, num_tokens, dest = cmd
         refs = tuple(PageRef(i, g) for i, g in dest)
-        sender.send(room, pool, handles, num_tokens, refs, ManifestFields("bench", 0))
+        sender.send(
+            OutboundTransfer(room, "bench", num_tokens, refs, tuple(handles), 0, (), 0), pool
+        )
         conn.send("sent")
     sender.close()
 
@@ -133,7 +136,8 @@ class Transport:
         assert self.pipe.recv() == "sent"
         landed = next(e for e in events if isinstance(e, Landed))
         t1 = time.perf_counter()
-        landed.accept(res, self.pool)
+        checksum = landed.checksum or payload_checksum(self.pool, res.handles, n_tokens)
+        reconcile(landed.manifest, res, self.pool, checksum)  # as DecodeEngine.on_transfer
         recon = time.perf_counter() - t1
         self.pool.release(res.handles)
         return transfer, recon

@@ -10,7 +10,7 @@ from audit_replay import ReplayServer, Route
 
 from kvfence.audit.base import Budget, BudgetExhausted
 from kvfence.audit.client import ProbeClient
-from kvfence.audit.targets.registry import DetectionError, detect, make_target
+from kvfence.audit.targets.registry import DetectionError, detect
 
 
 @pytest.fixture
@@ -18,105 +18,6 @@ def client(replay: ReplayServer) -> Iterator[ProbeClient]:
     c = ProbeClient(replay.url, api_key="k", budget=Budget(max_requests=50))
     yield c
     c.close()
-
-
-def sglang(replay: ReplayServer) -> None:
-    replay.file("/server_info", "sglang_server_info.json")
-    replay.file("/metrics", "sglang_metrics.txt")
-    replay.file("/v1/models", "sglang_models.json")
-
-
-def test_sglang_facts_and_detection(replay: ReplayServer, client: ProbeClient) -> None:
-    sglang(replay)
-    target = detect(replay.url, client)
-    assert target.engine == "sglang"
-    assert "SGLang" in target.detected_by
-    facts = target.facts(client)
-    assert facts.pool_tokens.value == 681280
-    assert "max_total_num_tokens" in facts.pool_tokens.source
-    assert facts.context_length.value == 1048576
-    assert facts.context_length.source == "GET /v1/models data[0].max_model_len"
-    assert facts.max_input.value == 681279  # the scheduler's limit, under context - 2
-    assert facts.extra["allow_auto_truncate"].value is False
-    assert facts.page_size.value == 64
-    assert facts.prefix_caching.value is True
-    assert facts.extra["disaggregation_mode"].value == "prefill"
-    assert facts.counters["sglang:num_transfer_failed_reqs_total"].value == 3
-    assert facts.cache_salt_supported.known is False
-    assert client.model == "meta-llama/Llama-3.1-8B-Instruct"
-
-
-def test_sglang_old_endpoint_uses_smallest_dp_rank(
-    replay: ReplayServer, client: ProbeClient
-) -> None:
-    replay.file("/get_server_info", "sglang_get_server_info_old.json")
-    facts = make_target(replay.url, "sglang", client).facts(client)
-    # top-level 500000 is not what one request can use: the smallest rank pool is.
-    assert facts.pool_tokens.value == 240000
-    assert facts.prefix_caching.value is False
-    # context_length null and no /v1/models: unknown, never guessed
-    assert not facts.context_length.known
-    assert facts.engine.source == "GET /get_server_info"
-
-
-def test_sglang_max_input_follows_its_length_rule(
-    replay: ReplayServer, client: ProbeClient
-) -> None:
-    replay.json(
-        "/server_info",
-        {
-            "model_path": "m",
-            "context_length": 4096,
-            "max_total_num_tokens": 90000,
-            "max_req_input_len": 4095,
-            "internal_states": [],
-        },
-    )
-    facts = make_target(replay.url, "sglang", client).facts(client)
-    # input + max_new_tokens >= context_len is refused: with max_tokens=1, 4094 is the longest.
-    assert facts.max_input.value == 4094
-    assert facts.context_length.source == "GET /server_info context_length (server arg)"
-
-
-def test_sglang_pool_from_metrics_when_info_missing(
-    replay: ReplayServer, client: ProbeClient
-) -> None:
-    replay.file("/metrics", "sglang_metrics.txt")
-    facts = make_target(replay.url, "sglang", client).facts(client)
-    assert facts.pool_tokens.value == 681280
-    assert "sglang:max_total_num_tokens" in facts.pool_tokens.source
-
-
-def test_vllm_facts(replay: ReplayServer, client: ProbeClient) -> None:
-    replay.file("/metrics", "vllm_metrics.txt")
-    replay.file("/v1/models", "vllm_models.json")
-    replay.json("/tokenize", {"count": 2, "max_model_len": 2048, "tokens": [1, 2]}, method="POST")
-    target = detect(replay.url, client)
-    assert target.engine == "vllm"
-    facts = target.facts(client)
-    assert facts.pool_tokens.value == 64 * 128
-    assert "num_gpu_blocks×block_size" in facts.pool_tokens.source
-    assert facts.page_size.value == 128
-    assert facts.context_length.value == 2048
-    assert facts.max_input.value == 2047
-    assert facts.prefix_caching.value is True
-    assert facts.tokenizer.value == "/tokenize"
-
-
-def test_vllm_data_parallel_uses_smallest_engine(replay: ReplayServer, client: ProbeClient) -> None:
-    text = (
-        'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100",'
-        'enable_prefix_caching="False"} 1.0\n'
-        'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="80",'
-        'enable_prefix_caching="False"} 1.0\n'
-    )
-    replay.routes[("GET", "/metrics")] = Route(200, text, "text/plain")
-    replay.file("/v1/models", "vllm_models.json")
-    facts = make_target(replay.url, "vllm", client).facts(client)
-    assert facts.pool_tokens.value == 80 * 16
-    assert facts.extra["pool_tokens_all_engines"].value == 180 * 16
-    assert facts.prefix_caching.value is False
-    assert facts.tokenizer.value == "calibrated from usage.prompt_tokens"
 
 
 def test_llamacpp_claims_only_the_per_slot_lower_bound(
@@ -136,24 +37,6 @@ def test_llamacpp_claims_only_the_per_slot_lower_bound(
     assert facts.max_input.value == 4095
     assert facts.cache_salt_supported.value is False
     assert not facts.page_size.known
-
-
-def test_tgi_facts_old_and_new(replay: ReplayServer, client: ProbeClient) -> None:
-    replay.file("/info", "tgi_info.json")
-    target = detect(replay.url, client)
-    assert target.engine == "tgi"
-    facts = target.facts(client)
-    assert facts.pool_tokens.value == 37872
-    assert facts.max_input.value == 1024
-    assert facts.context_length.value == 2048
-    assert facts.model.value == "bigscience/bloom-560m"
-
-
-def test_tgi_new_has_no_pool(replay: ReplayServer, client: ProbeClient) -> None:
-    replay.file("/info", "tgi_info_new.json")
-    facts = make_target(replay.url, "tgi", client).facts(client)
-    assert not facts.pool_tokens.known
-    assert "absent" in facts.pool_tokens.note
 
 
 def test_generic_openai_knows_no_capacity(replay: ReplayServer, client: ProbeClient) -> None:

@@ -3,14 +3,21 @@
 `pool_tokens >= context × headroom`, with both numbers read from the running
 engine (or the context from `--context`). An unknown pool or context is
 INCONCLUSIVE — a gate that cannot read the pool must block, not pass.
+
+- A fleet behind a router (`facts.nodes`): every prefill node is gated on its
+  own pool; the verdict is the worst, and a failure names the node.
+- A decode node alone is never a pass: its pool is not the reject path's.
+- A start-up guarantee (`extra["pool_guarantee_tokens"]`, TGI 3.x) stands in
+  for an unreported pool only at headroom 1.0 — it promises one request.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
-from kvfence.audit.base import AuditContext, Check, CheckResult, Fact, Verdict
-from kvfence.audit.targets.base import Target
+from kvfence.audit.base import AuditContext, Check, CheckResult, Fact, Verdict, worst
+from kvfence.audit.targets.base import NodeFacts, Target, TargetFacts
 
 
 def _context_fact(ctx: AuditContext, target: Target, facts_context: Fact) -> Fact:
@@ -35,6 +42,56 @@ class CapacityCheck(Check):
             "engine": target.engine,
             "detected_by": target.detected_by,
         }
+        if facts.nodes:
+            return self._fleet(ctx, target, facts.nodes, facts.context_length, evidence)
+        if (decode := self._decode_only(target, facts, evidence)) is not None:
+            return decode
+        guarantee = facts.extra.get("pool_guarantee_tokens")
+        if not pool.known and guarantee is not None:
+            if ctx.headroom != 1.0:
+                return self._only_guaranteed(target, guarantee, ctx.headroom, evidence)
+            pool = guarantee  # at headroom 1.0 the start-up guarantee is the whole claim
+            evidence["pool_tokens"] = pool.to_json()
+        return self._gate(target, pool, context, ctx.headroom, evidence)
+
+    def _decode_only(
+        self, target: Target, facts: TargetFacts, evidence: dict[str, Any]
+    ) -> CheckResult | None:
+        """A decode node's pool is not where the reject path fires (I4 is a prefill property)."""
+        role = facts.extra.get("pd_role")
+        if role is None or role.value != "decode":
+            return None
+        evidence["pd_role"] = role.to_json()
+        return self.result(
+            target,
+            Verdict.INCONCLUSIVE,
+            f"decode node ({role.source}): prompts are written into the prefill nodes' "
+            "pools, where the reject path fires, so a decode pool proves nothing about the "
+            "fleet — audit the router URL or every prefill node",
+            evidence,
+        )
+
+    def _only_guaranteed(
+        self, target: Target, guarantee: Fact, headroom: float, evidence: dict[str, Any]
+    ) -> CheckResult:
+        evidence["pool_guarantee_tokens"] = guarantee.to_json()
+        return self.result(
+            target,
+            Verdict.INCONCLUSIVE,
+            f"KV pool size not reported; the engine only guarantees {guarantee.value} tokens "
+            f"at start-up ({guarantee.source}), one full request, not × {headroom} — failing "
+            "closed (headroom 1.0 gates on the guarantee)",
+            evidence,
+        )
+
+    def _gate(
+        self,
+        target: Target,
+        pool: Fact,
+        context: Fact,
+        headroom: float,
+        evidence: dict[str, Any],
+    ) -> CheckResult:
         pool_n, context_n = pool.as_int(), context.as_int()
         if pool_n is None:
             return self.result(
@@ -51,7 +108,7 @@ class CapacityCheck(Check):
                 f"context length unknown ({context.source}); pass --context N",
                 evidence,
             )
-        required = math.ceil(context_n * ctx.headroom)
+        required = math.ceil(context_n * headroom)
         evidence["required_tokens"] = required
         evidence["margin_tokens"] = pool_n - required
         evidence["ratio"] = round(pool_n / context_n, 4) if context_n else None
@@ -59,21 +116,62 @@ class CapacityCheck(Check):
             return self.result(
                 target,
                 Verdict.PASS,
-                f"pool {pool_n:,} ≥ context {context_n:,} × {ctx.headroom} = {required:,} "
+                f"pool {pool_n:,} ≥ context {context_n:,} × {headroom} = {required:,} "
                 f"(margin {pool_n - required:,} tokens)",
                 evidence,
             )
         shortfall = required - pool_n
         evidence["shortfall_tokens"] = shortfall
-        evidence["fixes"] = fixes(pool_n, context_n, ctx.headroom)
+        evidence["fixes"] = fixes(pool_n, context_n, headroom)
         return self.result(
             target,
             Verdict.FAIL,
-            f"pool {pool_n:,} < context {context_n:,} × {ctx.headroom} = {required:,}: "
+            f"pool {pool_n:,} < context {context_n:,} × {headroom} = {required:,}: "
             f"short by {shortfall:,} tokens ({pool_n / context_n:.2f}× context). "
             "A prompt near the context cannot fit: the reject path is live traffic",
             evidence,
         )
+
+    def _fleet(
+        self,
+        ctx: AuditContext,
+        target: Target,
+        nodes: list[NodeFacts],
+        fleet_context: Fact,
+        evidence: dict[str, Any],
+    ) -> CheckResult:
+        """Every prefill node gated on its own pool against its own context (I4 per node)."""
+        rows: list[dict[str, Any]] = []
+        verdicts: list[Verdict] = []
+        for node in nodes:
+            row: dict[str, Any] = {"node": node.url, **node.to_json()}
+            if node.prefills:
+                own = node.context_length
+                context = _context_fact(ctx, target, own if own.known else fleet_context)
+                res = self._gate(target, node.pool_tokens, context, ctx.headroom, {})
+                row.update(gated=True, verdict=res.verdict.value, detail=res.summary)
+                verdicts.append(res.verdict)
+            else:
+                row.update(gated=False, detail="decode node: its pool is not the reject path's")
+            rows.append(row)
+        evidence["nodes"] = rows
+        prefill = [r for r in rows if r["gated"]]
+        if not prefill:
+            return self.result(
+                target,
+                Verdict.INCONCLUSIVE,
+                f"no prefill node among {len(rows)} workers: the gate cannot pass on decode pools",
+                evidence,
+            )
+        verdict = worst(verdicts)
+        bad = [r for r in prefill if r["verdict"] != Verdict.PASS.value]
+        if not bad:
+            summary = f"all {len(prefill)} prefill nodes hold the context × {ctx.headroom}: " + (
+                "; ".join(f"{r['node']}: {r['detail']}" for r in prefill)
+            )
+        else:
+            summary = "; ".join(f"{r['node']} ({r['role']['value']}): {r['detail']}" for r in bad)
+        return self.result(target, verdict, summary, evidence)
 
 
 def fixes(pool: int, context: int, headroom: float) -> list[str]:

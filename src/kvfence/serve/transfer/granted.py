@@ -32,13 +32,8 @@ from kvfence.engine.messages import MessageError, TransferManifest, decode_messa
 from kvfence.engine.reconcile import StreamChecksum, byte_views
 from kvfence.kv.pool import KVPool
 from kvfence.serve.transfer import framing
-from kvfence.serve.transfer.base import (
-    InPlaceSender,
-    Outgoing,
-    PoolShape,
-    TransferRefused,
-    TransportClosed,
-)
+from kvfence.serve.transfer.base import InPlaceSender, TransferRefused, TransportClosed
+from kvfence.serve.transfer.layout import Outgoing, PoolShape
 from kvfence.serve.transfer.listener import ListeningReceiver, tune
 
 log = logging.getLogger(__name__)

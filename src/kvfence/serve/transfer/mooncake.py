@@ -26,8 +26,9 @@ import weakref
 from typing import Any
 
 from kvfence.kv.pool import KVPool
-from kvfence.serve.transfer.base import KVTransport, Outgoing
+from kvfence.serve.transfer.base import KVTransport
 from kvfence.serve.transfer.granted import GrantedSender, GrantingReceiver, storage_addresses
+from kvfence.serve.transfer.layout import Outgoing
 
 log = logging.getLogger(__name__)
 

@@ -31,13 +31,14 @@ import numpy as np
 
 from kvfence.kv.pool import KVPool
 from kvfence.serve.transfer import framing
-from kvfence.serve.transfer.base import Event, KVTransport, Outgoing, TransportClosed
+from kvfence.serve.transfer.base import Event, KVTransport, TransportClosed
 from kvfence.serve.transfer.granted import (
     GrantedSender,
     GrantingReceiver,
     parse_end,
     storage_addresses,
 )
+from kvfence.serve.transfer.layout import Outgoing
 
 log = logging.getLogger(__name__)
 
