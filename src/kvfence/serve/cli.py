@@ -124,10 +124,10 @@ def _is_loopback(host: str) -> bool:
 @click.option("--decode", "n_decode", type=click.IntRange(1), default=1, show_default=True)
 @click.option(
     "--transport",
-    type=click.Choice(["tcp", "shm"]),
+    type=click.Choice(["tcp", "shm", "mooncake", "nixl"]),
     default="tcp",
     show_default=True,
-    help="KV transport between prefill and decode processes",
+    help="KV transport between prefill and decode processes (mooncake, nixl: the pd extra)",
 )
 @click.option(
     "--role",

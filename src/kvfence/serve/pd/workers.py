@@ -50,6 +50,8 @@ from kvfence.serve.transfer.registry import get_transport
 log = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 0.5
+# KV transports that cross a process boundary (mooncake and nixl need the `pd` extra).
+CROSS_PROCESS_TRANSPORTS = ("tcp", "shm", "mooncake", "nixl")
 IDLE_POLL_MS = 20
 
 
@@ -76,8 +78,11 @@ class WorkerSpec:
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"a worker role is 'prefill' or 'decode', got {self.role!r}")
-        if self.transport not in ("tcp", "shm"):
-            raise ValueError(f"a cross-process transport is 'tcp' or 'shm', got {self.transport!r}")
+        if self.transport not in CROSS_PROCESS_TRANSPORTS:
+            raise ValueError(
+                f"a cross-process transport is one of {', '.join(CROSS_PROCESS_TRANSPORTS)}, "
+                f"got {self.transport!r}"
+            )
 
 
 def role_pages(spec: WorkerSpec, loaded: LoadedModel) -> int:
