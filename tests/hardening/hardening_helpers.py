@@ -28,10 +28,12 @@ class Live:
     parts: ServerParts
     tenants: TenantRegistry
 
-    def key(self, tenant: str = "a") -> str:
-        return next(t.keys[0] for t in self.tenants.tenants if t.name == tenant)
+    def key(self, tenant: str | None = None) -> str:
+        """The key of `tenant` (default: the first in the registry)."""
+        name = tenant or self.tenants.tenants[0].name
+        return next(t.keys[0] for t in self.tenants.tenants if t.name == name)
 
-    def auth(self, tenant: str = "a") -> dict[str, str]:
+    def auth(self, tenant: str | None = None) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.key(tenant)}"}
 
     def info(self) -> dict[str, Any]:
@@ -63,12 +65,14 @@ def live_server(
     context_length: int | None = 256,
     pages: int = 256,
     body_timeout_s: float = 60.0,
+    chunk_size: int | None = None,
 ) -> Iterator[Live]:
     parts = build_local(
         checkpoint,
         kind=kind,
         context_length=context_length,
         pools=PoolSizes(prefill_pages=pages, decode_pages=pages),
+        chunk_size=chunk_size,
     )
     parts = replace(parts, config=replace(parts.config, body_timeout_s=body_timeout_s))
     registry = tenants or TenantRegistry.generate(("a", "b"))

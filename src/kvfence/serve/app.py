@@ -90,8 +90,8 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, e: ApiError) -> Response:
-        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+        return JSONResponse(e.body(), status_code=e.status, headers={**headers, **e.headers})
 
     @app.exception_handler(Exception)
     async def internal(_request: Request, _e: Exception) -> Response:
@@ -163,8 +163,9 @@ def create_app(
         return Response(render(registry), media_type=PROMETHEUS_TYPE)
 
     async def info(request: Request) -> dict[str, Any]:
-        authenticate(request)
-        return server_info(config, capacity, backend.stats(), tenants.auth)
+        tenant = authenticate(request)
+        own = admission.limits.report(tenant)
+        return server_info(config, capacity, backend.stats(), tenants.auth, own)
 
     schema = build_openapi(config, capacity)
 
