@@ -77,7 +77,9 @@ class _LazyGroup(click.Group):
         for name in names:
             lazy = _LAZY_COMMANDS.get(name)
             if lazy is not None:
-                rows.append((name, click.utils.make_default_short_help(lazy.short_help, limit)))
+                # Shortened the way click shortens a loaded command's help.
+                stand_in = click.Command(name, help=lazy.short_help)
+                rows.append((name, stand_in.get_short_help_str(limit)))
                 continue
             command = super().get_command(ctx, name)
             if command is not None and not command.hidden:
