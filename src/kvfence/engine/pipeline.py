@@ -73,7 +73,7 @@ class InProcessCopy:
     window: InboundWindow | None = None
 
     def send(self, transfer: OutboundTransfer, src: KVPool, decode: DecodeEngine) -> bool:
-        if transfer.room not in decode.local_inbound.open:
+        if not decode.window_open(transfer.room):
             return False  # no window open for this room: never write into someone's pages
         manifest = transfer.manifest(payload_checksum(src, transfer.src_pages, transfer.num_tokens))
         n = len(transfer.src_pages)
