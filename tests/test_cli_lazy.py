@@ -37,3 +37,17 @@ def test_lazy_short_help_is_the_commands_own(name: str) -> None:
     assert isinstance(command, click.Command)
     own = (command.help or "").strip().splitlines()[0]
     assert own == lazy.short_help, f"update the short help of {name!r} in kvfence/cli.py"
+
+
+def test_the_supervisor_and_router_roles_do_not_import_torch() -> None:
+    # `kvfence serve --disaggregated` and `--role router` load no model: every torch import
+    # they skip is start-up time the workers get on a small machine.
+    code = (
+        "import sys\n"
+        "import kvfence.serve.cli, kvfence.serve.pd.launch\n"
+        "print('TORCH', 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    assert "TORCH False" in out, out

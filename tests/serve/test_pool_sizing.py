@@ -10,7 +10,12 @@ from click.testing import CliRunner
 from kvfence.cli import main
 from kvfence.engine.sizing import GateReport
 from kvfence.kv.geometry import KVGeometry
-from kvfence.serve.build import DEFAULT_KV_BYTES, PoolSizes, available_memory_bytes, gate_fix_hint
+from kvfence.serve.pool_sizing import (
+    DEFAULT_KV_BYTES,
+    PoolSizes,
+    available_memory_bytes,
+    gate_fix_hint,
+)
 
 SMOLLM = KVGeometry(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16)  # 46,080 B/token
 GIB = 1 << 30

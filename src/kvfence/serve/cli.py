@@ -15,19 +15,19 @@ import sys
 from pathlib import Path
 
 import click
-import torch
 
 from kvfence.engine.sizing import DEFAULT_HEADROOM, CapacityGateError
 from kvfence.faults import FaultSet
-from kvfence.kv.pool import ScrubPolicy
-from kvfence.model.loader import MODEL_KINDS
+from kvfence.kv.scrub import ScrubPolicy
+from kvfence.model.config import MODEL_KINDS
 from kvfence.model.tiny import default_checkpoint_dir
-from kvfence.serve.app import create_app
-from kvfence.serve.build import DEFAULT_KV_FRACTION, PoolSizes, build_local, gate_fix_hint
-from kvfence.serve.config import decide_capacity
 from kvfence.serve.pd.cli import pd_main
+from kvfence.serve.pool_sizing import DEFAULT_KV_FRACTION, PoolSizes, gate_fix_hint
 from kvfence.serve.tenants import TenantFileError, TenantRegistry
-from kvfence.serve.thread import bind, serve_forever, url_of
+
+# Torch, the model and the web stack are imported where they are used: the
+# `--disaggregated` supervisor and the router role never load a model, and on a
+# shared machine every torch import they skip is start-up time for the workers.
 
 EXIT_GATE = 1
 
@@ -199,11 +199,18 @@ def serve(
     if model_dir is None:
         click.echo("using the embedded tiny checkpoint (made on first use)...", err=True)
         model_dir = default_checkpoint_dir()
-    if torch_threads:
+    if torch_threads and role in (None, "prefill", "decode") and not disaggregated:
+        import torch
+
         torch.set_num_threads(torch_threads)
     if disaggregated or role is not None:
         params = click.get_current_context().params
         sys.exit(pd_main(params, faults, tenants, model_dir, _announce))
+    from kvfence.serve.app import create_app
+    from kvfence.serve.build import build_local
+    from kvfence.serve.config import decide_capacity
+    from kvfence.serve.thread import bind, serve_forever, url_of
+
     try:
         parts = build_local(
             model_dir,

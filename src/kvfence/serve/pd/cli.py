@@ -12,7 +12,6 @@ import click
 
 from kvfence.faults import FaultSet
 from kvfence.serve.pd.launch import RouterSpec, run_disaggregated, run_router
-from kvfence.serve.pd.workers import WorkerSpec, run_worker
 from kvfence.serve.tenants import TenantRegistry
 
 # Options every role must agree on, passed through to each child of --disaggregated.
@@ -104,6 +103,8 @@ def pd_main(
         return run_router(spec, tenants, announce)
     if params["router_addr"] is None:
         raise click.UsageError(f"--role {role} needs --router-addr (the router's control address)")
+    from kvfence.serve.pd.workers import WorkerSpec, run_worker  # torch: workers only
+
     worker = WorkerSpec(
         role=role,
         model_dir=str(model_dir),

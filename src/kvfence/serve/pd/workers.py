@@ -42,8 +42,8 @@ from kvfence.engine.prefill import OutboundTransfer, PrefillEngine
 from kvfence.faults import FaultSet
 from kvfence.kv.pool import KVPool, PageHandle, ScrubPolicy
 from kvfence.model.loader import LoadedModel, load_model
-from kvfence.serve.build import DEFAULT_KV_FRACTION, PoolSizes, available_memory_bytes
 from kvfence.serve.channel import Inbox, Outbox
+from kvfence.serve.pool_sizing import DEFAULT_KV_FRACTION, PoolSizes, available_memory_bytes
 from kvfence.serve.transfer.base import (
     KVSender,
     Landed,
