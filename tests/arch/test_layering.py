@@ -20,11 +20,19 @@ SRC = Path(kvfence.__file__).parent
 # the network-free core (DESIGN.md, Conventions).
 UPWARD = ("kvfence.serve", "kvfence.lab", "kvfence.audit", "kvfence.cli", "kvfence.watch")
 NETWORK = ("zmq", "socket", "http", "urllib", "requests", "fastapi", "uvicorn", "aiohttp", "httpx")
+ENGINE_SIDE = ("kvfence.kv", "kvfence.model", "kvfence.engine", "kvfence.serve", "kvfence.lab")
+ENGINE_SIDE += ("kvfence.cli", "kvfence.watch", "torch")
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "faults.py": ("kvfence", "torch", *NETWORK),
     "kv": ("kvfence.model", "kvfence.engine", *UPWARD, *NETWORK),
     "model": ("kvfence.engine", *UPWARD, *NETWORK),
     "engine": (*UPWARD, *NETWORK),
+    # The audit reaches engines over HTTP only (it may start `kvfence serve` as a process).
+    "audit": ENGINE_SIDE,
+    # The HTTP edge's synchronous halves: unit-testable without a server or a socket.
+    "serve/admission.py": ("kvfence.serve.router", "starlette", "fastapi", *NETWORK),
+    "serve/responses.py": ("kvfence.serve.router", "kvfence.engine", "starlette", *NETWORK),
+    "serve/protocol.py": ("kvfence.serve.router", "kvfence.engine", "starlette", *NETWORK),
 }
 # faults.py is stdlib-only; these are its own module paths, not imports of the package.
 SELF_OK = {"faults.py": ("kvfence.faults",)}

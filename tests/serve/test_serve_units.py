@@ -9,8 +9,9 @@ import pytest
 
 from kvfence.engine.messages import TokenChunk
 from kvfence.model.tokenizer import Tokenizer
+from kvfence.serve.errors import ApiError
 from kvfence.serve.output import OutputAssembler
-from kvfence.serve.protocol import ApiError, parse_completion
+from kvfence.serve.protocol import parse_completion
 from kvfence.serve.tenants import Tenant, TenantFileError, TenantRegistry
 
 KEY_A = "sk-aaaaaaaaaaaaaaaaaaaa"

@@ -18,11 +18,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvfence.engine.backend import Backend
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve import protocol
+from kvfence.serve.admission import Admission
+from kvfence.serve.body import read_body
 from kvfence.serve.config import Capacity, ServeConfig, decide_capacity
+from kvfence.serve.errors import INTERNAL_ERROR, ApiError
+from kvfence.serve.fields import load_json
 from kvfence.serve.info import server_info
 from kvfence.serve.metrics import RouterCounters, make_registry, render
-from kvfence.serve.protocol import ApiError
-from kvfence.serve.router import INTERNAL_ERROR, Router, read_body
+from kvfence.serve.openapi import build_openapi
+from kvfence.serve.router import Router
 from kvfence.serve.tenants import TenantRegistry
 
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -60,7 +64,8 @@ def create_app(
     if capacity is None:
         capacity = decide_capacity(config, backend.stats().pools)
     counters = RouterCounters()
-    router = Router(backend, tokenizer, config, capacity, tenants, counters)
+    admission = Admission(tokenizer, config, capacity, tenants)
+    router = Router(backend, admission, config, counters)
     registry = make_registry(
         counters,
         backend.stats,
@@ -69,6 +74,17 @@ def create_app(
     )
     app = FastAPI(title="kvfence", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
+    app.state.admission = admission
+
+    def authenticate(request: Request) -> str:
+        return admission.authenticate(request.headers.get("authorization"))
+
+    async def body(request: Request) -> dict[str, Any]:
+        return load_json(await read_body(request, admission.body_limit, config.body_timeout_s))
+
+    def model_of(obj: dict[str, Any]) -> str | None:
+        return obj.get("model") if isinstance(obj.get("model"), str) else None
+
     app.state.capacity = capacity
     app.add_middleware(_StatusCounter, counters=counters)
 
@@ -105,7 +121,7 @@ def create_app(
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        router.authenticate(request)
+        authenticate(request)
         return {
             "object": "list",
             "data": [
@@ -121,30 +137,41 @@ def create_app(
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        router.authenticate(request)
-        obj = protocol.load_json(await read_body(request, router.body_limit))
-        router.check_model(obj.get("model") if isinstance(obj.get("model"), str) else None)
+        authenticate(request)
+        obj = await body(request)
+        admission.check_model(model_of(obj))
         prompt, messages = protocol.parse_tokenize(obj)
-        ids = tokenizer.encode(prompt) if prompt is not None else router.encode_chat(messages or ())
+        ids = (
+            tokenizer.encode(prompt)
+            if prompt is not None
+            else admission.encode_chat(messages or ())
+        )
         return {"count": len(ids), "max_model_len": config.context_length, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        router.authenticate(request)
-        obj = protocol.load_json(await read_body(request, router.body_limit))
+        authenticate(request)
+        obj = await body(request)
         ids = protocol.parse_detokenize(obj)
-        router.check_model(obj.get("model") if isinstance(obj.get("model"), str) else None)
-        router.check_ids(ids, "tokens")
+        admission.check_model(model_of(obj))
+        admission.check_ids(ids, "tokens")
         return {"prompt": tokenizer.decode(ids)}
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        router.authenticate(request)
+        authenticate(request)
         return Response(render(registry), media_type=PROMETHEUS_TYPE)
 
     async def info(request: Request) -> dict[str, Any]:
-        router.authenticate(request)
+        authenticate(request)
         return server_info(config, capacity, backend.stats(), tenants.auth)
+
+    schema = build_openapi(config, capacity)
+
+    @app.get("/openapi.json")
+    async def openapi(request: Request) -> dict[str, Any]:
+        authenticate(request)
+        return schema
 
     app.add_api_route("/server_info", info, methods=["GET"])
     app.add_api_route("/get_server_info", info, methods=["GET"])

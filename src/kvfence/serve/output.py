@@ -11,17 +11,7 @@ from dataclasses import dataclass, field
 
 from kvfence.engine.messages import TokenChunk
 from kvfence.model.tokenizer import StreamingDetokenizer, Tokenizer
-from kvfence.serve.protocol import TokenLogprob
-
-
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """What to send the client now: new text, its tokens' logprobs, and the end if it came."""
-
-    text: str
-    logprobs: tuple[TokenLogprob, ...]
-    finish_reason: str | None
-    text_start: int  # offset of `text` in the whole completion (completions logprobs)
+from kvfence.serve.responses import Piece, TokenLogprob
 
 
 @dataclass(slots=True)

@@ -1,8 +1,8 @@
-"""The request path: auth -> parse -> tokenize -> validate -> room -> backend -> SSE / JSON.
+"""The request path: admission -> room -> backend -> collect (JSON) or stream (SSE).
 
-Everything that can be refused is refused before `backend.submit` (I4: the
-edge limit on prompt + max_tokens; bad input of any kind), so a refused
-request allocates nothing. After submission a request ends exactly once
+Everything that can be refused is refused by `Admission` before
+`backend.submit` (I4: the edge limit on prompt + max_tokens; bad input of any
+kind), so a refused request allocates nothing. After submission a request ends exactly once
 (I6): content with a finish reason, or the backend's original error as an
 error status (or an SSE error event) — never a normal 200. Room ids are made
 here with `secrets`, never taken from a client, and checked for collisions
@@ -13,11 +13,8 @@ no room id, no handle to cancel and no view of other tenants' requests (I10).
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import secrets
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,36 +23,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvfence.engine.backend import Backend, GenerateWork
-from kvfence.engine.messages import ErrorInfo, Failure, MessageError, SamplingParams, TokenChunk
+from kvfence.engine.messages import ErrorInfo, Failure, TokenChunk
 from kvfence.faults import Fault
-from kvfence.model.tokenizer import Tokenizer
-from kvfence.serve import protocol
-from kvfence.serve.config import Capacity, ServeConfig
+from kvfence.serve.admission import Admission, Prepared
+from kvfence.serve.body import read_body
+from kvfence.serve.config import ServeConfig
+from kvfence.serve.errors import INTERNAL_ERROR, ApiError
 from kvfence.serve.metrics import Outcome, RouterCounters
-from kvfence.serve.output import OutputAssembler, Piece
-from kvfence.serve.protocol import ApiError, GenerationRequest, bad_request
-from kvfence.serve.tenants import TenantRegistry
+from kvfence.serve.output import OutputAssembler
+from kvfence.serve.protocol import Kind
+from kvfence.serve.responses import DONE, Piece, Shape, TokenLogprob, sse, usage
 
 log = logging.getLogger(__name__)
 ROOM_ATTEMPTS = 4
-INTERNAL_ERROR = ApiError(
-    500,
-    "internal server error; the request was stopped",
-    type="server_error",
-    code="internal_error",
-)
 Event = TokenChunk | Failure
-
-
-@dataclass(frozen=True, slots=True)
-class Prepared:
-    """A request that passed every check and may be submitted."""
-
-    req: GenerationRequest
-    tenant: str
-    prompt_ids: tuple[int, ...]
-    sampling: SamplingParams
-    cache_namespace: str
 
 
 @dataclass(slots=True)
@@ -65,138 +46,29 @@ class Run:
     room: str
     tenant: str
     prep: Prepared
+    shape: Shape  # the response's id and envelope; the id is not the room (I9)
     queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     gone: asyncio.Event = field(default_factory=asyncio.Event)  # the client disconnected
     ended: bool = False  # the backend's side is over (terminal event seen, or aborted)
     counted: bool = False  # its outcome is in the metrics (exactly once)
-    # What the client sees as the id: independent of the room, which clients never learn (I9).
-    response_id: str = field(default_factory=lambda: secrets.token_hex(12))
-    created: int = field(default_factory=lambda: int(time.time()))
 
 
 class Router:
+    """Rooms, submission, and the one end of every request (I6); admission is `Admission`."""
+
     def __init__(
         self,
         backend: Backend,
-        tokenizer: Tokenizer,
+        admission: Admission,
         config: ServeConfig,
-        capacity: Capacity,
-        tenants: TenantRegistry,
         counters: RouterCounters,
     ) -> None:
         self.backend = backend
-        self.tokenizer = tokenizer
+        self.admission = admission
         self.config = config
-        self.capacity = capacity
-        self.tenants = tenants
         self.counters = counters
         self.rooms: dict[str, str] = {}  # live room -> tenant
         self._watchers: set[asyncio.Task[None]] = set()
-
-    # ---- auth ---------------------------------------------------------------------------
-
-    def authenticate(self, request: Request) -> str:
-        tenant = self.tenants.authenticate(request.headers.get("authorization"))
-        if tenant is None:
-            raise ApiError(
-                401,
-                "missing or invalid API key; send `Authorization: Bearer <key>`",
-                code="invalid_api_key",
-            )
-        return tenant
-
-    # ---- validation ---------------------------------------------------------------------
-
-    def prepare(self, req: GenerationRequest, tenant: str) -> Prepared:
-        """Tokenize and check everything; raises `ApiError`, never touches the backend."""
-        self.check_model(req.model)
-        ids, param = self._prompt_ids(req)
-        self.check_ids(ids, param)
-        self.check_ids(req.stop_token_ids, "stop_token_ids")
-        max_tokens = self._max_tokens(len(ids), req.max_tokens, param)
-        try:
-            sampling = SamplingParams(
-                max_tokens=max_tokens,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                top_k=req.top_k,
-                seed=req.seed,
-                stop_token_ids=req.stop_token_ids,
-                ignore_eos=req.ignore_eos,
-                logprobs=req.logprobs,
-            )
-        except MessageError as e:
-            raise bad_request(str(e), None) from None
-        return Prepared(req, tenant, ids, sampling, self.cache_namespace(tenant, req.cache_salt))
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.model_name:
-            raise ApiError(
-                404,
-                f"model {model!r} does not exist; this server serves {self.config.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
-
-    def cache_namespace(self, tenant: str, salt: str | None) -> str:
-        """The prefix-cache namespace (I8): the tenant's own, split further by `cache_salt`."""
-        shared = self.config.prefix_namespacing == "shared"
-        base = "shared" if shared else f"tenant:{tenant}"
-        if salt is None:
-            return base
-        return f"{base}/salt:{hashlib.sha256(salt.encode()).hexdigest()[:32]}"
-
-    def encode_chat(self, messages: tuple[protocol.ChatMessage, ...]) -> list[int]:
-        try:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in messages]
-            )
-        except Exception as e:  # jinja raises many kinds; any of them is a bad conversation
-            raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
-        return self.tokenizer.encode(text)
-
-    def _prompt_ids(self, req: GenerationRequest) -> tuple[tuple[int, ...], str]:
-        if req.kind == "chat":
-            assert isinstance(req.prompt, tuple)
-            messages = tuple(m for m in req.prompt if isinstance(m, protocol.ChatMessage))
-            return tuple(self.encode_chat(messages)), "messages"
-        if isinstance(req.prompt, str):
-            return tuple(self.tokenizer.encode(req.prompt)), "prompt"
-        return tuple(t for t in req.prompt if isinstance(t, int)), "prompt"
-
-    def check_ids(self, ids: tuple[int, ...], param: str) -> None:
-        vocab = self.config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request(
-                f"`{param}` holds token id {bad}, outside the vocabulary [0, {vocab})",
-                param,
-                "token_out_of_vocab",
-            )
-
-    def _max_tokens(self, n: int, asked: int | None, param: str) -> int:
-        ctx, edge = self.config.context_length, self.capacity.edge_limit
-        if n == 0:
-            raise bad_request(f"`{param}` is empty; send at least one token", param, "empty_prompt")
-        if n > ctx:
-            raise bad_request(
-                f"`{param}` has {n} tokens; this model's maximum context length is {ctx} tokens",
-                param,
-                "context_length_exceeded",
-            )
-        # I4: with an undersized pool the edge is the pool, and it is enforced here,
-        # before the backend sees anything.
-        limit_name = "pool_capacity_exceeded" if edge < ctx else "context_length_exceeded"
-        default = max(1, min(self.config.default_max_tokens, edge - n))
-        max_tokens = asked if asked is not None else default
-        if n + max_tokens > edge:
-            raise bad_request(
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
-                f"this server's limit of {edge} tokens per request (max_req_input_len)",
-                param if n >= edge else "max_tokens",
-                limit_name,
-            )
-        return max_tokens
 
     # ---- rooms (I9) ----------------------------------------------------------------------
 
@@ -215,7 +87,8 @@ class Router:
     # ---- submission ---------------------------------------------------------------------
 
     def submit(self, prep: Prepared) -> Run:
-        run = Run(room=self.new_room(prep.tenant), tenant=prep.tenant, prep=prep)
+        shape = Shape(prep.req, self.config.model_name)
+        run = Run(room=self.new_room(prep.tenant), tenant=prep.tenant, prep=prep, shape=shape)
         loop = asyncio.get_running_loop()
 
         def sink(event: Event) -> None:
@@ -279,13 +152,11 @@ class Router:
 
     # ---- the endpoints -------------------------------------------------------------------
 
-    async def generate(self, request: Request, kind: protocol.Kind) -> Response:
+    async def generate(self, request: Request, kind: Kind) -> Response:
         try:
-            tenant = self.authenticate(request)
-            obj = protocol.load_json(await read_body(request, self.body_limit))
-            req = protocol.parse_chat(obj) if kind == "chat" else protocol.parse_completion(obj)
-            prep = self.prepare(req, tenant)
-            run = self.submit(prep)
+            tenant = self.admission.authenticate(request.headers.get("authorization"))
+            body = await read_body(request, self.admission.body_limit, self.config.body_timeout_s)
+            run = self.submit(self.admission.admit(kind, tenant, body))
         except ApiError as e:
             self.counters.rejected(e.code or e.type)
             raise
@@ -306,7 +177,7 @@ class Router:
             run.ended = True
             self.finish(run, None)
             raise self._failed(run, first)
-        if prep.req.stream:
+        if run.prep.req.stream:
             return StreamingResponse(
                 self._stream(run, first, watcher),
                 media_type="text/event-stream",
@@ -323,10 +194,6 @@ class Router:
         finally:
             watcher.cancel()
             self.finish(run, "router error")  # no-op unless the backend side is still running
-
-    @property
-    def body_limit(self) -> int:
-        return 16 * 1024 * 1024 + 32 * self.config.context_length
 
     def _client_gone(self, run: Run) -> Response:
         self.finish(run, "client disconnected")
@@ -380,10 +247,9 @@ class Router:
         return piece
 
     async def _collect(self, run: Run, event: Event | None) -> Response:
-        req = run.prep.req
-        out = self._assembler(req)
+        out = self._assembler(run)
         text: list[str] = []
-        logprobs: list[protocol.TokenLogprob] = []
+        logprobs: list[TokenLogprob] = []
         while True:
             if event is None:
                 return self._client_gone(run)
@@ -398,25 +264,17 @@ class Router:
             event = await self.next_event(run)
         self.finish(run, None)
         self._outcome(run, "finished")
-        body = self._envelope(run, final=True)
-        content = "".join(text)
-        lp = self._logprobs_body(req, logprobs, 0)
-        if req.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": content}}
-        else:
-            choice = {"index": 0, "text": content}
-        body["choices"] = [{**choice, "logprobs": lp, "finish_reason": out.finish_reason}]
-        body["usage"] = self._usage(run, out)
+        body = run.shape.body("".join(text), logprobs, out.finish_reason, self._usage(run, out))
         return JSONResponse(body)
 
     async def _stream(
         self, run: Run, event: Event | None, watcher: asyncio.Task[None]
     ) -> AsyncIterator[str]:
-        req = run.prep.req
-        out = self._assembler(req)
+        req, shape = run.prep.req, run.shape
+        out = self._assembler(run)
         try:
             if req.kind == "chat":
-                yield self._chunk(run, {"role": "assistant", "content": ""}, None, None)
+                yield shape.role_chunk()
             while True:
                 if event is None:
                     return  # client gone; `finally` aborts
@@ -425,31 +283,25 @@ class Router:
                     self.finish(run, None)
                     err = self._failed(run, result)
                     yield sse(err.body())
-                    yield "data: [DONE]\n\n"
+                    yield DONE
                     return
                 if result.text or result.logprobs or result.finish_reason:
-                    yield self._piece_chunk(run, result)
+                    yield shape.piece_chunk(result)
                 if result.finish_reason is not None:
                     break
                 event = await self.next_event(run)
             self.finish(run, None)
             self._outcome(run, "finished")
             if req.include_usage:
-                yield sse(
-                    {
-                        **self._envelope(run, final=False),
-                        "choices": [],
-                        "usage": self._usage(run, out),
-                    }
-                )
-            yield "data: [DONE]\n\n"
+                yield shape.usage_chunk(self._usage(run, out))
+            yield DONE
         except Exception:
             # A router bug mid-stream: still end honestly (I6), never with a silent cut.
             log.exception("stream %s failed in the router", run.room[:8])
             self.finish(run, "router error")
             self._outcome(run, "failed")
             yield sse(INTERNAL_ERROR.body())
-            yield "data: [DONE]\n\n"
+            yield DONE
         finally:
             watcher.cancel()
             if not run.counted:
@@ -457,71 +309,9 @@ class Router:
                 self.finish(run, "client disconnected")
                 self._outcome(run, "aborted")
 
-    # ---- response shapes -----------------------------------------------------------------
-
-    def _assembler(self, req: GenerationRequest) -> OutputAssembler:
-        return OutputAssembler(self.tokenizer, req.stop, req.logprobs is not None)
-
-    def _envelope(self, run: Run, *, final: bool) -> dict[str, Any]:
-        if run.prep.req.kind == "chat":
-            obj, prefix = ("chat.completion" if final else "chat.completion.chunk"), "chatcmpl-"
-        else:
-            obj, prefix = "text_completion", "cmpl-"
-        return {
-            "id": prefix + run.response_id,
-            "object": obj,
-            "created": run.created,
-            "model": self.config.model_name,
-        }
-
-    def _chunk(
-        self,
-        run: Run,
-        payload: dict[str, Any] | str,
-        logprobs: dict[str, Any] | None,
-        finish_reason: str | None,
-    ) -> str:
-        if run.prep.req.kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "delta": payload}
-        else:
-            choice = {"index": 0, "text": payload}
-        choice.update(logprobs=logprobs, finish_reason=finish_reason)
-        return sse({**self._envelope(run, final=False), "choices": [choice]})
-
-    def _piece_chunk(self, run: Run, piece: Piece) -> str:
+    def _assembler(self, run: Run) -> OutputAssembler:
         req = run.prep.req
-        lp = self._logprobs_body(req, list(piece.logprobs), piece.text_start)
-        payload: dict[str, Any] | str
-        if req.kind == "chat":
-            payload = {"content": piece.text} if piece.text else {}
-        else:
-            payload = piece.text
-        return self._chunk(run, payload, lp, piece.finish_reason)
-
-    def _logprobs_body(
-        self, req: GenerationRequest, entries: list[protocol.TokenLogprob], start: int
-    ) -> dict[str, Any] | None:
-        if req.logprobs is None:
-            return None
-        if req.kind == "chat":
-            return protocol.chat_logprobs(entries)
-        return protocol.completion_logprobs(entries, start)
+        return OutputAssembler(self.admission.tokenizer, req.stop, req.logprobs is not None)
 
     def _usage(self, run: Run, out: OutputAssembler) -> dict[str, Any]:
-        return protocol.usage(len(run.prep.prompt_ids), out.completion_tokens, out.cached_tokens)
-
-
-def sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(
-                413, f"request body exceeds {limit} bytes", param=None, code="body_too_large"
-            )
-        chunks.append(chunk)
-    return b"".join(chunks)
+        return usage(len(run.prep.prompt_ids), out.completion_tokens, out.cached_tokens)

@@ -1,0 +1,169 @@
+"""Admission: everything the edge refuses, before the backend sees a request.
+
+Synchronous and network-free: `authenticate` maps the `Authorization` header
+to a tenant (before the body is read), and `admit` turns the raw body into a
+`Prepared` request, or either raises `ApiError` (a 4xx that names the field
+and the limit). Nothing here allocates, so a refused request leaves
+no trace in any pool (I4: the edge limit on prompt + max_tokens is enforced
+here; I8: the prefix-cache namespace is decided here; I10: the key → tenant
+lookup is constant-time in `TenantRegistry`).
+
+This is the seam for new admission rules (an operator credential, per-tenant
+limits, ...): a credential belongs in `authenticate`, a limit in `admit` or
+`prepare`; the router only calls these two and submits what `admit` returns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from kvfence.engine.messages import MessageError, SamplingParams
+from kvfence.model.tokenizer import Tokenizer
+from kvfence.serve import protocol
+from kvfence.serve.config import Capacity, ServeConfig
+from kvfence.serve.errors import ApiError, bad_request
+from kvfence.serve.fields import load_json
+from kvfence.serve.protocol import GenerationRequest, Kind
+from kvfence.serve.tenants import TenantRegistry
+
+BODY_FLOOR = 16 * 1024 * 1024  # bytes a body may always have; plus 32 per context token
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request that passed every check and may be submitted."""
+
+    req: GenerationRequest
+    tenant: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    cache_namespace: str
+
+
+class Admission:
+    """Auth, model check, token-id and length limits, cache namespace, chat encoding."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        config: ServeConfig,
+        capacity: Capacity,
+        tenants: TenantRegistry,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.config = config
+        self.capacity = capacity
+        self.tenants = tenants
+
+    @property
+    def body_limit(self) -> int:
+        """The largest request body read, in bytes (413 above it)."""
+        return BODY_FLOOR + 32 * self.config.context_length
+
+    def admit(self, kind: Kind, tenant: str, body: bytes) -> Prepared:
+        """An authenticated tenant's generation request, from raw body to `Prepared`."""
+        obj = load_json(body)
+        req = protocol.parse_chat(obj) if kind == "chat" else protocol.parse_completion(obj)
+        return self.prepare(req, tenant)
+
+    def authenticate(self, authorization: str | None) -> str:
+        tenant = self.tenants.authenticate(authorization)
+        if tenant is None:
+            raise ApiError(
+                401,
+                "missing or invalid API key; send `Authorization: Bearer <key>`",
+                code="invalid_api_key",
+            )
+        return tenant
+
+    def prepare(self, req: GenerationRequest, tenant: str) -> Prepared:
+        """Tokenize and check everything; raises `ApiError`, never touches the backend."""
+        self.check_model(req.model)
+        ids, param = self._prompt_ids(req)
+        self.check_ids(ids, param)
+        self.check_ids(req.stop_token_ids, "stop_token_ids")
+        max_tokens = self._max_tokens(len(ids), req.max_tokens, param)
+        try:
+            sampling = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                seed=req.seed,
+                stop_token_ids=req.stop_token_ids,
+                ignore_eos=req.ignore_eos,
+                logprobs=req.logprobs,
+            )
+        except MessageError as e:
+            raise bad_request(str(e), None) from None
+        return Prepared(req, tenant, ids, sampling, self.cache_namespace(tenant, req.cache_salt))
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.model_name:
+            raise ApiError(
+                404,
+                f"model {model!r} does not exist; this server serves {self.config.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def cache_namespace(self, tenant: str, salt: str | None) -> str:
+        """The prefix-cache namespace (I8): the tenant's own, split further by `cache_salt`."""
+        shared = self.config.prefix_namespacing == "shared"
+        base = "shared" if shared else f"tenant:{tenant}"
+        if salt is None:
+            return base
+        return f"{base}/salt:{hashlib.sha256(salt.encode()).hexdigest()[:32]}"
+
+    def encode_chat(self, messages: tuple[protocol.ChatMessage, ...]) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in messages]
+            )
+        except Exception as e:  # jinja raises many kinds; any of them is a bad conversation
+            raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+        return self.tokenizer.encode(text)
+
+    def check_ids(self, ids: tuple[int, ...], param: str) -> None:
+        vocab = self.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(
+                f"`{param}` holds token id {bad}, outside the vocabulary [0, {vocab})",
+                param,
+                "token_out_of_vocab",
+            )
+
+    def _prompt_ids(self, req: GenerationRequest) -> tuple[tuple[int, ...], str]:
+        if req.kind == "chat":
+            assert isinstance(req.prompt, tuple)
+            messages = tuple(m for m in req.prompt if isinstance(m, protocol.ChatMessage))
+            return tuple(self.encode_chat(messages)), "messages"
+        if isinstance(req.prompt, str):
+            return tuple(self.tokenizer.encode(req.prompt)), "prompt"
+        return tuple(t for t in req.prompt if isinstance(t, int)), "prompt"
+
+    def _max_tokens(self, n: int, asked: int | None, param: str) -> int:
+        ctx, edge = self.config.context_length, self.capacity.edge_limit
+        if n == 0:
+            raise bad_request(f"`{param}` is empty; send at least one token", param, "empty_prompt")
+        if n > ctx:
+            raise bad_request(
+                f"`{param}` has {n} tokens; this model's maximum context length is {ctx} tokens",
+                param,
+                "context_length_exceeded",
+            )
+        # I4: with an undersized pool the edge is the pool, and it is enforced here,
+        # before the backend sees anything.
+        limit_name = "pool_capacity_exceeded" if edge < ctx else "context_length_exceeded"
+        default = max(1, min(self.config.default_max_tokens, edge - n))
+        max_tokens = asked if asked is not None else default
+        if n + max_tokens > edge:
+            raise bad_request(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
+                f"this server's limit of {edge} tokens per request (max_req_input_len)",
+                param if n >= edge else "max_tokens",
+                limit_name,
+            )
+        return max_tokens
