@@ -25,11 +25,10 @@ from kvfence.engine.messages import (
     Abort,
     ErrorInfo,
     Failure,
-    PageRef,
     PrefillWork,
     TransferDone,
-    TransferManifest,
 )
+from kvfence.engine.outbound import OutboundTransfer
 from kvfence.engine.prefix_cache import PrefixCache, PrefixHit
 from kvfence.engine.request import Request, RequestError, RequestState
 from kvfence.engine.runner import Forwarded, ModelRunner, release_current
@@ -44,38 +43,6 @@ log = logging.getLogger(__name__)
 
 def error_info(error: RequestError) -> ErrorInfo:
     return ErrorInfo(error.status, error.type, error.message, error.param, error.code)
-
-
-@dataclass(frozen=True, slots=True)
-class OutboundTransfer:
-    """KV for one request, ready to leave: `src_pages` (this pool) -> `dest_pages` (decode's).
-
-    The transport copies the first `num_tokens` token slots, computes the
-    payload checksum, and sends `manifest(checksum)`. Prefill keeps the
-    source pages until `PrefillEngine.transfer_done` (I7).
-    """
-
-    room: str
-    tenant: str
-    num_tokens: int
-    dest_pages: tuple[PageRef, ...]
-    src_pages: tuple[PageHandle, ...]
-    first_token: int
-    first_logprobs: TokenLogprobs
-    cached_tokens: int
-
-    def manifest(self, checksum: str) -> TransferManifest:
-        return TransferManifest(
-            room=self.room,
-            tenant=self.tenant,
-            num_tokens=self.num_tokens,
-            num_pages=len(self.src_pages),
-            dest_pages=self.dest_pages,
-            checksum=checksum,
-            first_token=self.first_token,
-            first_logprobs=self.first_logprobs,
-            cached_tokens=self.cached_tokens,
-        )
 
 
 @dataclass(slots=True)
