@@ -6,7 +6,9 @@ interleaved, (a) the model's whole decode forward over all rows and (b) the
 attention of all layers alone, once with `CPUAttention()` (the kernel) and once
 with `CPUAttention(kernel=False)` (gather + SDPA, the reference). Prints one
 line per measurement with the minimum and median of `--repeats` and the ratio
-gather / kernel, the 1-minute load average, and the largest logit difference.
+gather / kernel, the 1-minute load average, and the largest logit difference;
+then the I1 prologue (`begin_step`: the write check, the written marks and the
+ledger verify, once per step) as a share of the kernel's decode forward.
 
 Usage: python bench/decode_attention.py [--preset smollm|tiny] [--rows 16] [--threads 2]
 """
@@ -23,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from kvfence.kv.pool import KVPool
-from kvfence.model.attention import CPUAttention
+from kvfence.model.attention import CPUAttention, begin_step
 from kvfence.model.batching import RowSpec, build_forward_batch
 from kvfence.model.llama import LlamaModel
 from kvfence.model.loader import load_model
@@ -85,6 +87,7 @@ def main() -> None:
                 ],
                 1,
             )
+    prologue = timed(lambda: begin_step(pool, batch), args.repeats * 4)
     diff = float((logits["kernel"] - logits["gather"]).abs().max())
     load = os.getloadavg()[0]
     context = int(batch.pages.lengths.sum())
@@ -96,6 +99,12 @@ def main() -> None:
             f"gather_ms=min {gth:.1f} med {statistics.median(data['gather']) * 1e3:.1f} "
             f"gather/kernel={gth / k:.2f} max_logit_diff={diff:.1e} load1={load:.1f}"
         )
+    i1_us = statistics.median(prologue) * 1e6
+    fwd_us = statistics.median(fwd["kernel"]) * 1e6
+    print(
+        f"i1_prologue_us={i1_us:.0f} decode_forward_us={fwd_us:.0f} "
+        f"isolation_share={100 * i1_us / fwd_us:.2f}% (goal <= 1%) load1={load:.1f}"
+    )
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from kvfence.faults import Fault
 from kvfence.kv.pool import BatchPages, IsolationViolation, KVPool
 from kvfence.model.base import ForwardBatch
+from kvfence.model.batching import rows_of_tokens
 from kvfence.model.paged_cpu import PagedDecodeKernel
 from kvfence.model.paged_cpu import load as load_kernel
 
@@ -32,9 +33,8 @@ from kvfence.model.paged_cpu import load as load_kernel
 
 
 def token_rows(batch: ForwardBatch) -> torch.Tensor:
-    """[T] the row each new token belongs to."""
-    counts = batch.query_starts[1:] - batch.query_starts[:-1]
-    return torch.repeat_interleave(torch.arange(batch.num_rows), counts)
+    """[T] the row each new token belongs to (derived from `query_starts`, never given)."""
+    return rows_of_tokens(batch.query_starts)
 
 
 def _check_slots(pool: KVPool, batch: ForwardBatch, rows: torch.Tensor) -> None:
