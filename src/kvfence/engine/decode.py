@@ -176,10 +176,6 @@ class DecodeEngine:
     def _ready(seq: _Seq) -> BootstrapReady:
         return BootstrapReady(seq.req.rid, tuple(PageRef(h.index, h.generation) for h in seq.pages))
 
-    def reservation(self, room: str) -> Reservation | None:
-        seq = self.seqs.get(room)
-        return seq.reservation if seq is not None else None
-
     # ---- transfer -----------------------------------------------------------------------
 
     def inbound_closed(self, room: str) -> None:
@@ -372,10 +368,6 @@ class DecodeEngine:
         """Whether `room` holds a reservation its KV transfer has not landed in yet."""
         seq = self.seqs.get(room)
         return seq is not None and seq.req.state is RequestState.BOOTSTRAPPING
-
-    def window_open(self, room: str) -> bool:
-        """Whether the ledger-kept inbound window for `room` is open (a transfer may land, I7)."""
-        return room in self.local_inbound.open
 
     def outstanding_handles(self) -> list[PageHandle]:
         return [h for s in self.seqs.values() for h in s.pages]

@@ -28,6 +28,7 @@ import zmq
 
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.decode import DecodeEngine
+from kvfence.engine.kvlink import apply_transfer_events
 from kvfence.engine.messages import (
     Abort,
     Bootstrap,
@@ -44,13 +45,7 @@ from kvfence.kv.pool import KVPool, PageHandle, ScrubPolicy
 from kvfence.model.loader import LoadedModel, load_model
 from kvfence.serve.channel import Inbox, Outbox
 from kvfence.serve.pool_sizing import DEFAULT_KV_FRACTION, PoolSizes, available_memory_bytes
-from kvfence.serve.transfer.base import (
-    KVSender,
-    Landed,
-    ManifestFields,
-    TransferRefused,
-    TransportClosed,
-)
+from kvfence.serve.transfer.base import KVSender, TransferRefused, TransportClosed
 from kvfence.serve.transfer.registry import get_transport
 
 log = logging.getLogger(__name__)
@@ -199,8 +194,7 @@ def run_prefill(spec: WorkerSpec) -> int:
             sender = senders.get(addr)
             if sender is None:
                 sender = senders[addr] = transport.sender(addr)
-            fields = ManifestFields(t.tenant, t.first_token, t.first_logprobs, t.cached_tokens)
-            sender.send(t.room, pool, t.src_pages, t.num_tokens, t.dest_pages, fields)
+            sender.send(t, pool)
             return True
         except (TransferRefused, TransportClosed, OSError, ValueError) as e:
             broken = senders.pop(addr, None)
@@ -289,23 +283,9 @@ def run_decode(spec: WorkerSpec) -> int:
                     engine.abort(msg.room, msg.reason)
                 elif isinstance(msg, TransferDone) and not msg.ok:
                     receiver.cancel(msg.room)  # prefill will never send: close the window (I7)
-            for event in receiver.poll():
-                if isinstance(event, Landed):
-                    engine.on_transfer(event.manifest, event.checksum)
-                elif not event.ok and engine.awaiting_transfer(event.room):
-                    # The transfer was cancelled, refused or its sender died: nothing to decode.
-                    transfer_failures += 1
-                    engine.abort(event.room, "KV transfer did not complete")
-                    router.send(
-                        Failure(
-                            event.room,
-                            ErrorInfo(
-                                502,
-                                "transfer_failed",
-                                "KV transfer did not complete (sender gone or transfer refused)",
-                            ),
-                        )
-                    )
+            for failure in apply_transfer_events(engine, receiver.poll()):
+                transfer_failures += 1  # cancelled, refused or its sender died: nothing to decode
+                router.send(failure)
             if engine.has_work:
                 engine.step()
             out = engine.drain()
