@@ -22,6 +22,8 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
 )
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
 
+MODEL_KINDS: tuple[str, ...] = ("llama", "mirror")  # what `load_model(kind=...)` builds
+
 
 class UnsupportedModelError(ValueError):
     """A checkpoint kvfence cannot run faithfully (architecture, RoPE type, activation...)."""

@@ -18,13 +18,12 @@ from safetensors.torch import load_file
 
 from kvfence.kv.geometry import parse_dtype
 from kvfence.model.base import CausalLM
-from kvfence.model.config import ModelConfig
+from kvfence.model.config import MODEL_KINDS, ModelConfig
 from kvfence.model.llama import LlamaModel
 from kvfence.model.mirror import MirrorModel
 from kvfence.model.tokenizer import Tokenizer
 
 ModelKind = Literal["llama", "mirror"]
-MODEL_KINDS: tuple[str, ...] = ("llama", "mirror")
 
 
 class ModelFilesError(FileNotFoundError):
