@@ -2,11 +2,15 @@
 
 Seeded (`--seed`: the audit's RNG, hence every random prompt). Measurements:
 
-(a) `kvfence audit` with no target, as a user runs it (a fresh interpreter:
-    both embedded servers started, the full runbook on each, reports written,
-    servers stopped). Target: under 60 s on this machine. A fresh interpreter
-    that only imports the command is timed in the same run, so the line shows
-    what part of the wall is start-up. The run must exit 1 (the lab is red).
+(a) The main job: bare `kvfence` (`make demo`), as a user runs it — a fresh
+    interpreter, the capacity gate, both embedded servers started together,
+    the full runbook on each, reports written, servers stopped together.
+    Goal: 30 s on this machine. It must exit 0 (the lab red, the fix green).
+    The split, measured in the same run: `startup_s` (both embedded servers
+    spawned until both answer /health, timed on their own just before),
+    `stop_s`, `runbook_s` and each check's seconds (summed over both servers),
+    and `other_s` (the interpreter, the gate, the reports: wall − runbook −
+    startup − stop).
 (b) `PrefixSharingCheck` with `cached_tokens` evidence ignored
     (`stop_on_cached_evidence=False`), no salt, and the sequential design
     `SequentialDesign(alpha=1e-6, batch=8, max_per_arm=64)`: how many
@@ -19,7 +23,7 @@ Seeded (`--seed`: the audit's RNG, hence every random prompt). Measurements:
 
 Prints one line per measurement:
 
-  audit_embedded_wall_s=... runbook_s=... start_stop_s=... per_check_s=... target<60s ratio=... exit=1 load1=...
+  main_job_wall_s=... startup_s=... stop_s=... runbook_s=... other_s=... per_check_s=... goal<=30s ratio=... exit=0 load1=...
   prefix_sharing[kvfence shared-prefix-cache] requests=... p=... rejected=... ratio_vs_paper=...
   prefix_sharing[kvfence hardened baseline] requests=... p=... rejected=False ...
   prefix_sharing[vllm default] requests=... p=... rejected=... ratio_vs_paper=...
@@ -51,13 +55,14 @@ if str(ROOT) not in sys.path:  # `bench` is a top-level folder, not an installed
 from bench.peers import PeerCache, start_vllm  # noqa: E402
 
 from kvfence.audit.base import AuditContext, Budget, CheckResult, run_check  # noqa: E402
+from kvfence.audit.embedded import HARDENED, INCIDENT, started_all, wait_ready  # noqa: E402
 from kvfence.audit.prefix_sharing import PrefixSharingCheck, PrefixSharingConfig  # noqa: E402
 from kvfence.audit.stats import SequentialDesign  # noqa: E402
 from kvfence.audit.targets.base import Target  # noqa: E402
 from kvfence.audit.targets.kvfence import KvfenceTarget  # noqa: E402
 from kvfence.audit.targets.vllm import VllmTarget  # noqa: E402
 
-TARGET_S = 60.0
+TARGET_S = 30.0
 PAPER_REQUESTS = 250 + 250
 DESIGN = SequentialDesign(alpha=1e-6, batch=8, max_per_arm=64)
 KEY_A = "bench-audit-tenant-a-7d1e"
@@ -72,34 +77,44 @@ def load1() -> str:
 # -- (a) the embedded default ------------------------------------------------------
 
 
-def embedded_wall(seed: int) -> None:
-    with tempfile.TemporaryDirectory(prefix="kvfence-bench-audit-") as tmp:
-        report = Path(tmp) / "report.json"
+def startup_split() -> tuple[float, float]:
+    """(seconds until both embedded servers answer /health, seconds to stop both)."""
+    with tempfile.TemporaryDirectory(prefix="kvfence-bench-start-") as tmp:
         start = time.perf_counter()
-        done = subprocess.run(
-            [sys.executable, "-m", "kvfence", "audit", "--quiet", "--seed", str(seed),
-             "--json", str(report), "--report", str(Path(tmp) / "report.html")],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
-        wall = time.perf_counter() - start
-        if done.returncode != 1 or not report.exists():
-            raise SystemExit(
-                f"kvfence audit exited {done.returncode} (want 1: the lab is red):\n"
-                f"{done.stdout[-3000:]}{done.stderr[-3000:]}"
-            )
-        run = json.loads(report.read_text())
+        with started_all((("lab", INCIDENT), ("hardened", HARDENED)), Path(tmp)) as servers:
+            for s in servers:
+                wait_ready(s)
+            ready = time.perf_counter() - start
+            stop_from = time.perf_counter()
+        return ready, time.perf_counter() - stop_from
+
+
+def main_job_wall() -> None:
+    """The main job (its audit seed is fixed: 0) with the split; see the module docstring."""
+    startup, stop = startup_split()
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import kvfence.audit.cli"], check=True)
-    imports = time.perf_counter() - start
+    done = subprocess.run(
+        [sys.executable, "-m", "kvfence"], capture_output=True, text=True, check=False
+    )
+    wall = time.perf_counter() - start
+    found = re.search(r"HTML report: (\S+)", done.stdout)
+    if done.returncode != 0 or found is None:
+        raise SystemExit(
+            f"the main job exited {done.returncode} (want 0: demo as expected):\n"
+            f"{done.stdout[-3000:]}{done.stderr[-3000:]}"
+        )
+    report = Path(found.group(1)).with_name("report.json")
+    run = json.loads(report.read_text())
     per_check: dict[str, float] = {}
     for r in run["results"]:  # summed over both servers
         per_check[r["check"]] = per_check.get(r["check"], 0.0) + r["duration_s"]
     checks = ",".join(f"{name}:{s:.1f}" for name, s in per_check.items())
+    runbook = run["duration_s"]
     print(
-        f"audit_embedded_wall_s={wall:.2f} runbook_s={run['duration_s']:.2f} "
-        f"start_stop_s={wall - run['duration_s']:.2f} import_only_s={imports:.2f} "
+        f"main_job_wall_s={wall:.2f} startup_s={startup:.2f} stop_s={stop:.2f} "
+        f"runbook_s={runbook:.2f} other_s={wall - runbook - startup - stop:.2f} "
         f"requests={run['requests_sent']} per_check_s={checks} "
-        f"target<{TARGET_S:.0f}s ratio={wall / TARGET_S:.2f} exit={done.returncode} "
+        f"goal<={TARGET_S:.0f}s ratio={wall / TARGET_S:.2f} exit={done.returncode} "
         f"load1={load1()}",
         flush=True,
     )
@@ -258,7 +273,7 @@ def main() -> None:
     parser.add_argument("--skip-vllm", action="store_true")
     args = parser.parse_args()
     if not args.skip_embedded:
-        embedded_wall(args.seed)
+        main_job_wall()
     if not args.skip_kvfence:
         prefix_kvfence(args.seed, args.kvfence_prefix_pages)
     if not args.skip_vllm:

@@ -8,6 +8,8 @@ the next. The engines serve the SAME Hugging Face checkpoint (llama.cpp an f32 G
 converted from it), one server at a time:
 
   kvfence   `kvfence serve --model DIR --no-auth` (1 GiB KV pool per role)
+  kvfence-noledger  the same with `--lab-fault no-ledger-check` (the I1 checks off): the
+            cost of isolation in the serving path is kvfence / kvfence-noledger (goal >= 0.99)
   vLLM      CPU build, `--dtype float32`, `VLLM_CPU_OMP_THREADS_BIND=0-1`, 1 GiB KV
   llama.cpp `llama-server -t 2 -np 16 -c 16384` (1,024 tokens per slot), f32 GGUF
 
@@ -57,7 +59,7 @@ from bench.peers import (  # noqa: E402
 
 from kvfence.model.tiny import PRESETS, default_checkpoint_dir  # noqa: E402
 
-ENGINES = ("kvfence", "vllm", "llamacpp")
+ENGINES = ("kvfence", "kvfence-noledger", "vllm", "llamacpp")
 KV_BYTES = 1 << 30  # every engine gets 1 GiB of KV (vLLM's VLLM_CPU_KVCACHE_SPACE=1)
 CONTEXT = 2048
 LLAMA_SLOTS = 16
@@ -110,7 +112,7 @@ class LevelResult:
 
     def line(self) -> str:
         return (
-            f"  {self.engine:<9} conc={self.concurrency:<3} out_tok_s={self.tok_s:9.1f} "
+            f"  {self.engine:<16} conc={self.concurrency:<3} out_tok_s={self.tok_s:9.1f} "
             f"ttft_p50_ms={self.ttft_p50_ms:9.1f} ttft_p99_ms={self.ttft_p99_ms:9.1f} "
             f"wall_s={self.wall_s:7.1f} tokens={self.output_tokens} errors={self.errors} "
             f"load1={self.load_before:.1f}->{self.load_after:.1f}"
@@ -280,7 +282,7 @@ def served_model(url: str) -> str:
     return str(resp.json()["data"][0]["id"])
 
 
-def start_kvfence(model_dir: Path, log_dir: Path) -> PeerServer:
+def start_kvfence(model_dir: Path, log_dir: Path, *extra: str) -> PeerServer:
     """`kvfence serve` as a subprocess in its own session, like the peers."""
     port = free_port()
     kvfence_bin = Path(sys.executable).parent / "kvfence"
@@ -298,6 +300,7 @@ def start_kvfence(model_dir: Path, log_dir: Path) -> PeerServer:
         str(KV_BYTES),
         "--context-length",
         str(CONTEXT),
+        *extra,
     ]
     return launch_server(
         "kvfence", cmd, dict(os.environ), port, model_dir.name, "/health", log_dir, 300.0
@@ -308,6 +311,8 @@ def start_kvfence(model_dir: Path, log_dir: Path) -> PeerServer:
 def engine_server(engine: str, model_dir: Path, log_dir: Path) -> Iterator[PeerServer]:
     if engine == "kvfence":
         server = start_kvfence(model_dir, log_dir)
+    elif engine == "kvfence-noledger":
+        server = start_kvfence(model_dir, log_dir, "--lab-fault", "no-ledger-check")
     elif engine == "vllm":
         server = start_vllm(
             model_dir,
@@ -401,6 +406,7 @@ def main() -> None:
         if kv is not None:
             parts.append(f"kvfence/vllm={ratio(kv, figures.get('vllm'))}")
             parts.append(f"kvfence/llamacpp={ratio(kv, figures.get('llamacpp'))}")
+            parts.append(f"isolation_cost=1-{ratio(kv, figures.get('kvfence-noledger'))}")
         loads = "/".join(f"{r[conc].load_before:.1f}" for r in by_engine.values())
         log(
             f"serve_throughput preset={args.preset} conc={conc} out_tok_s: "

@@ -6,6 +6,7 @@ import importlib
 import json
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
@@ -19,7 +20,7 @@ from kvfence.engine.sizing import (
     capacity_gate,
     pool_from_budget,
 )
-from kvfence.kv.geometry import KVGeometry
+from kvfence.kv.geometry import KVGeometry  # torch-free: `kvfence gate` needs no model
 
 # The built-in tiny geometry (the checkpoint `kvfence make-model` writes).
 TINY_GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=32, page_size=16, dtype="float32")
@@ -27,31 +28,69 @@ TINY_KV_BYTES = 64 * 1024 * 1024
 TINY_CONTEXT = 4096
 
 
+@dataclass(frozen=True, slots=True)
+class _Lazy:
+    target: str  # "module:attribute"
+    short_help: str  # shown by `kvfence --help` without importing the module
+
+    def load(self) -> click.Command:
+        module, _, attr = self.target.partition(":")
+        command = getattr(importlib.import_module(module), attr)
+        assert isinstance(command, click.Command)
+        return command
+
+
+# tests/test_cli_lazy.py checks that each short help is the command's own.
 _LAZY_COMMANDS = MappingProxyType(
     {
-        "serve": "kvfence.serve.cli:serve",
-        "audit": "kvfence.audit.cli:audit",
-        "lab": "kvfence.lab.cli:lab",
-        "watch": "kvfence.watch.cli:watch",
+        "serve": _Lazy(
+            "kvfence.serve.cli:serve",
+            "Serve a model over the OpenAI API, with tenant isolation (exit 1: capacity gate failed).",
+        ),
+        "audit": _Lazy(
+            "kvfence.audit.cli:audit",
+            "Audit engines for cross-tenant leaks: exit 0 pass, 1 fail, 2 inconclusive.",
+        ),
+        "lab": _Lazy(
+            "kvfence.lab.cli:lab",
+            "The incident lab: fault switches that re-create published isolation bugs.",
+        ),
+        "watch": _Lazy(
+            "kvfence.watch.cli:watch",
+            "Guard running engines: re-gate on every capacity change, canaries, prefill floor.",
+        ),
     }
 )
 
 
 class _LazyGroup(click.Group):
-    """Commands from other packages are imported only when invoked (audit pulls in scipy,
-    serve pulls in uvicorn): `kvfence lab replay` should not pay for `kvfence audit`."""
+    """Commands from other packages are imported only when invoked (serve and the model pull in
+    torch, audit scipy): `kvfence --help` and `kvfence gate` answer without them."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *_LAZY_COMMANDS})
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        target = _LAZY_COMMANDS.get(cmd_name)
-        if target is None:
-            return super().get_command(ctx, cmd_name)
-        module, _, attr = target.partition(":")
-        command = getattr(importlib.import_module(module), attr)
-        assert isinstance(command, click.Command)
-        return command
+        lazy = _LAZY_COMMANDS.get(cmd_name)
+        return super().get_command(ctx, cmd_name) if lazy is None else lazy.load()
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(map(len, names), default=0)
+        rows = []
+        for name in names:
+            lazy = _LAZY_COMMANDS.get(name)
+            if lazy is not None:
+                # Shortened the way click shortens a loaded command's help.
+                stand_in = click.Command(name, help=lazy.short_help)
+                rows.append((name, stand_in.get_short_help_str(limit)))
+                continue
+            command = super().get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, command.get_short_help_str(limit)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
 
 @click.group(cls=_LazyGroup, invoke_without_command=True)

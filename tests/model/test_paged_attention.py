@@ -12,7 +12,7 @@ from kvmodel_helpers import make_pool, new_seq, step
 from kvfence.faults import Fault, FaultSet
 from kvfence.kv.pool import IsolationViolation, KVPool
 from kvfence.model.attention import available_backends, gather, get_backend
-from kvfence.model.batching import RowSpec, build_forward_batch
+from kvfence.model.batching import RowSpec, build_forward_batch, rows_of_tokens
 from kvfence.model.config import ModelConfig
 from kvfence.model.loader import load_model
 from kvfence.model.mirror import MirrorModel
@@ -98,3 +98,11 @@ def test_gather_reads_only_the_table_and_backends_are_named() -> None:
     assert available_backends() == ["cpu"]
     with pytest.raises(ValueError, match="available: cpu"):
         get_backend("triton")
+
+
+@pytest.mark.parametrize("counts", [[1], [1, 1, 1], [3, 1, 4], [1, 0, 2], [2, 0, 0], [0, 5]])
+def test_token_rows_are_derived_from_the_row_offsets(counts: list[int]) -> None:
+    starts = torch.zeros(len(counts) + 1, dtype=torch.int64)
+    torch.cumsum(torch.tensor(counts), 0, out=starts[1:])
+    want = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    assert rows_of_tokens(starts).tolist() == want.tolist()

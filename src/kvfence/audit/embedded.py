@@ -65,9 +65,7 @@ def _free_port() -> int:
         return port
 
 
-@contextmanager
-def started(name: str, args: Sequence[str], workdir: Path) -> Iterator[EmbeddedServer]:
-    """One `kvfence serve` process with two known tenants; stopped on exit."""
+def _write_tenants(workdir: Path) -> Path:
     tenants = workdir / "tenants.json"
     tenants.write_text(
         json.dumps(
@@ -80,21 +78,44 @@ def started(name: str, args: Sequence[str], workdir: Path) -> Iterator[EmbeddedS
             }
         )
     )
-    port = _free_port()
-    cmd = [sys.executable, "-c", "from kvfence.cli import main; main()", "serve"]
-    cmd += ["--port", str(port), "--tenants", str(tenants), *COMMON, *args]
-    log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 — closed in finally
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        yield EmbeddedServer(name, f"http://127.0.0.1:{port}")
-    finally:
-        proc.terminate()
+    return tenants
+
+
+@contextmanager
+def started_all(
+    specs: Sequence[tuple[str, Sequence[str]]], root: Path
+) -> Iterator[list[EmbeddedServer]]:
+    """`kvfence serve` processes (name, extra args), started together and stopped together:
+    every one is told to stop before any is waited for, so their shutdowns overlap."""
+    procs: list[subprocess.Popen[bytes]] = []
+    servers: list[EmbeddedServer] = []
+    with ExitStack() as logs:
         try:
-            proc.wait(timeout=20)
+            for name, args in specs:
+                workdir = root / name
+                workdir.mkdir()
+                port = _free_port()
+                cmd = [sys.executable, "-c", "from kvfence.cli import main; main()", "serve"]
+                cmd += ["--port", str(port), "--tenants", str(_write_tenants(workdir))]
+                cmd += [*COMMON, *args]
+                log = logs.enter_context(open(workdir / f"{name}.log", "wb"))
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+                servers.append(EmbeddedServer(name, f"http://127.0.0.1:{port}"))
+            yield servers
+        finally:
+            _stop_all(procs)
+
+
+def _stop_all(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 20.0) -> None:
+    for proc in procs:
+        proc.terminate()
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        log.close()
 
 
 def wait_ready(server: EmbeddedServer, timeout_s: float = 180.0) -> None:
@@ -119,12 +140,11 @@ def audit_embedded(
     on_result: Callable[[CheckResult], None] | None = None,
 ) -> AuditRun:
     """Start the incident lab and the hardened engine, audit both, stop them."""
-    with tempfile.TemporaryDirectory(prefix="kvfence-embedded-") as tmp, ExitStack() as stack:
-        servers = []
-        for name, args in (("workers-ai-2026", INCIDENT), ("hardened", HARDENED)):
-            workdir = Path(tmp) / name
-            workdir.mkdir()
-            servers.append(stack.enter_context(started(name, args, workdir)))
+    specs = (("workers-ai-2026", INCIDENT), ("hardened", HARDENED))
+    with (
+        tempfile.TemporaryDirectory(prefix="kvfence-embedded-") as tmp,
+        started_all(specs, Path(tmp)) as servers,
+    ):
         for s in servers:
             if progress is not None:
                 progress(f"starting {s.name} at {s.url}", None)

@@ -21,9 +21,9 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from kvfence.engine.config import EngineConfig
+from kvfence.engine.inbound import InboundWindow, PoolInbound
 from kvfence.engine.messages import (
     Bootstrap,
     BootstrapReady,
@@ -42,10 +42,10 @@ from kvfence.engine.reconcile import (
     payload_checksum as measure_checksum,
 )
 from kvfence.engine.request import Request, RequestError, RequestState
-from kvfence.engine.runner import ModelRunner, release_current
+from kvfence.engine.runner import Forwarded, ModelRunner, release_current
 from kvfence.engine.sampling import Sampler, SampleRow, TokenLogprobs, stop_reason
 from kvfence.faults import Fault, FaultSet
-from kvfence.kv.pool import FREE_OWNER, IsolationViolation, KVPool, PageHandle
+from kvfence.kv.pool import FREE_OWNER, KVPool, PageHandle
 from kvfence.model.base import CausalLM
 from kvfence.model.batching import RowSpec
 
@@ -55,40 +55,6 @@ def _info(error: RequestError) -> ErrorInfo:
 
 
 log = logging.getLogger(__name__)
-
-
-class InboundWindow(Protocol):
-    """Opens and closes the window in which a transfer may land in reserved pages (I7).
-
-    A transport's receiver (`serve.transfer.KVReceiver`) is one; `PoolInbound`
-    is the default for transports that tell decode directly (`inbound_closed`).
-    """
-
-    def expect(self, reservation: Reservation) -> None:
-        """The pages are handed out: from now on a transfer may land (pool.begin_inbound)."""
-
-    def cancel(self, room: str) -> None:
-        """Decode gives up on `room`; the window closes once the transport confirms."""
-
-
-class PoolInbound:
-    """The window kept in the pool ledger alone; the transport closes it with `close`."""
-
-    def __init__(self, pool: KVPool) -> None:
-        self.pool = pool
-        self.open: dict[str, list[int]] = {}
-
-    def expect(self, reservation: Reservation) -> None:
-        self.pool.begin_inbound(reservation.handles)
-        self.open[reservation.room] = [h.index for h in reservation.handles]
-
-    def cancel(self, room: str) -> None:
-        return  # the pipeline's transport confirms with `close` (I7: never assumed)
-
-    def close(self, room: str) -> None:
-        indices = self.open.pop(room, None)
-        if indices is not None:
-            self.pool.end_inbound(indices)
 
 
 @dataclass(slots=True)
@@ -292,26 +258,17 @@ class DecodeEngine:
         return out
 
     def step(self) -> None:
+        """admit -> schedule -> forward (I1: verified before any read) -> sample -> emit."""
         self._admit_queued()
-        rows, seqs = self._schedule()
+        seqs = self._schedule()
         if not seqs:
             return
-        try:
-            logits = self.runner.forward(rows)
-        except IsolationViolation as violation:
-            bad = set(self.runner.offending_rows(rows))
-            if not bad:
-                raise
-            for i in sorted(bad):
-                self.counters.isolation_violations += 1
-                self._end_failed(seqs[i], RequestError(500, "isolation_violation", str(violation)))
-            rows = [r for i, r in enumerate(rows) if i not in bad]
-            seqs = [s for i, s in enumerate(seqs) if i not in bad]
-            if not seqs:
-                return
-            logits = self.runner.forward(rows)
+        out = self.runner.forward_checked([self._row(s) for s in seqs])
+        seqs = self._drop_refused(seqs, out)
+        if out.logits is None:
+            return
         result = self.sampler.sample(
-            logits, [SampleRow(s.boot.sampling, s.num_generated) for s in seqs]
+            out.logits, [SampleRow(s.boot.sampling, s.num_generated) for s in seqs]
         )
         for seq, token, lps in zip(seqs, result.tokens, result.logprobs, strict=True):
             seq.context += 1
@@ -321,10 +278,9 @@ class DecodeEngine:
         while self.queued and self._reserve(self.queued[0]):
             self._out.ready.append(self._ready(self.queued.popleft()))
 
-    def _schedule(self) -> tuple[list[RowSpec], list[_Seq]]:
+    def _schedule(self) -> list[_Seq]:
         """Every DECODING row that has (or can get) a page for its next token; others hold."""
         ps = self.pool.page_size
-        rows: list[RowSpec] = []
         seqs: list[_Seq] = []
         held: list[_Seq] = []
         for seq in self.running[: self.config.max_running]:
@@ -336,16 +292,6 @@ class DecodeEngine:
                     continue
                 seq.pages.extend(self.pool.allocate(seq.owner, 1))
             seqs.append(seq)
-            rows.append(
-                RowSpec(
-                    token_ids=(seq.last_token,),
-                    start=seq.context,
-                    pages=seq.pages[: seq.context // ps + 1],
-                    reader=seq.owner,
-                    namespace=FREE_OWNER,
-                    num_generated=seq.num_generated,
-                )
-            )
         if not seqs and held:
             # No row can grow: end the newest one honestly rather than stall everyone.
             victim = held[-1]
@@ -354,7 +300,25 @@ class DecodeEngine:
                 victim,
                 RequestError(503, "server_overloaded", "the decode KV pool ran out of pages"),
             )
-        return rows, seqs
+        return seqs
+
+    def _row(self, seq: _Seq) -> RowSpec:
+        """The row's last token at its next position, reading only its own pages."""
+        return RowSpec(
+            token_ids=(seq.last_token,),
+            start=seq.context,
+            pages=seq.pages[: seq.context // self.pool.page_size + 1],
+            reader=seq.owner,
+            namespace=FREE_OWNER,
+            num_generated=seq.num_generated,
+        )
+
+    def _drop_refused(self, seqs: list[_Seq], out: Forwarded) -> list[_Seq]:
+        """Fail the rows whose page tables the ledger refused (I1); the rest ran."""
+        for i in out.refused:
+            self.counters.isolation_violations += 1
+            self._end_failed(seqs[i], RequestError(500, "isolation_violation", str(out.violation)))
+        return [seqs[i] for i in out.kept]
 
     # ---- outcomes -----------------------------------------------------------------------
 
@@ -397,7 +361,16 @@ class DecodeEngine:
         self.pool.forget_owner(seq.owner)
         del self.seqs[seq.req.rid]
 
-    # ---- introspection ------------------------------------------------------------------
+    # ---- queries for workers ------------------------------------------------------------
+
+    def rooms(self) -> list[str]:
+        """Every room this engine still holds (queued, awaiting its transfer, or decoding)."""
+        return list(self.seqs)
+
+    def awaiting_transfer(self, room: str) -> bool:
+        """Whether `room` holds a reservation its KV transfer has not landed in yet."""
+        seq = self.seqs.get(room)
+        return seq is not None and seq.req.state is RequestState.BOOTSTRAPPING
 
     def outstanding_handles(self) -> list[PageHandle]:
         return [h for s in self.seqs.values() for h in s.pages]

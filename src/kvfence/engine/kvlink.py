@@ -21,7 +21,6 @@ from typing import Protocol
 from kvfence.engine.decode import DecodeEngine, InboundWindow
 from kvfence.engine.messages import ErrorInfo, Failure, TransferDone, TransferManifest
 from kvfence.engine.prefill import OutboundTransfer
-from kvfence.engine.request import RequestState
 from kvfence.kv.pool import KVPool
 
 TRANSFER_INCOMPLETE = "KV transfer did not complete (sender gone or transfer refused)"
@@ -77,14 +76,9 @@ def apply_transfer_events(
     for event in events:
         if not isinstance(event, TransferDone):
             decode.on_transfer(event.manifest, event.checksum)
-        elif not event.ok and _awaiting_transfer(decode, event.room):
+        elif not event.ok and decode.awaiting_transfer(event.room):
             decode.abort(event.room, "KV transfer did not complete")
             failures.append(
                 Failure(event.room, ErrorInfo(502, "transfer_failed", TRANSFER_INCOMPLETE))
             )
     return failures
-
-
-def _awaiting_transfer(decode: DecodeEngine, room: str) -> bool:
-    seq = decode.seqs.get(room)
-    return seq is not None and seq.req.state is RequestState.BOOTSTRAPPING

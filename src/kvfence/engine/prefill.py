@@ -26,17 +26,16 @@ from kvfence.engine.messages import (
     Abort,
     ErrorInfo,
     Failure,
-    PageRef,
     PrefillWork,
     TransferDone,
-    TransferManifest,
 )
+from kvfence.engine.outbound import OutboundTransfer
 from kvfence.engine.prefix_cache import PrefixCache, PrefixHit
 from kvfence.engine.request import Request, RequestError, RequestState
-from kvfence.engine.runner import ModelRunner, release_current
+from kvfence.engine.runner import Forwarded, ModelRunner, release_current
 from kvfence.engine.sampling import Sampler, SampleRow, TokenLogprobs
 from kvfence.faults import Fault, FaultSet
-from kvfence.kv.pool import IsolationViolation, KVPool, PageHandle
+from kvfence.kv.pool import KVPool, PageHandle
 from kvfence.model.base import CausalLM
 from kvfence.model.batching import RowSpec
 
@@ -45,40 +44,6 @@ log = logging.getLogger(__name__)
 
 def error_info(error: RequestError) -> ErrorInfo:
     return ErrorInfo(error.status, error.type, error.message, error.param, error.code)
-
-
-@dataclass(frozen=True, slots=True)
-class OutboundTransfer:
-    """KV for one request, ready to leave: `src_pages` (this pool) -> `dest_pages` (decode's).
-
-    The transport copies the first `num_tokens` token slots, computes the
-    payload checksum, and sends `manifest(checksum)`. Prefill keeps the
-    source pages until `PrefillEngine.transfer_done` (I7).
-    """
-
-    room: str
-    tenant: str
-    num_tokens: int
-    dest_pages: tuple[PageRef, ...]
-    src_pages: tuple[PageHandle, ...]
-    first_token: int
-    first_logprobs: TokenLogprobs
-    cached_tokens: int
-    prefill_s: float = 0.0
-
-    def manifest(self, checksum: str) -> TransferManifest:
-        return TransferManifest(
-            room=self.room,
-            tenant=self.tenant,
-            num_tokens=self.num_tokens,
-            num_pages=len(self.src_pages),
-            dest_pages=self.dest_pages,
-            checksum=checksum,
-            first_token=self.first_token,
-            first_logprobs=self.first_logprobs,
-            cached_tokens=self.cached_tokens,
-            prefill_s=self.prefill_s,
-        )
 
 
 @dataclass(slots=True)
@@ -224,7 +189,25 @@ class PrefillEngine:
         return out
 
     def step(self) -> None:
-        """One forward over running chunks first, then newly admitted prompts, within the budget."""
+        """schedule running chunks, admit new prompts (one token budget) -> forward -> sample -> send."""
+        plan = self._schedule_running()
+        plan += self._admit(self.config.max_batch_tokens - sum(n for _, n in plan))
+        if not plan:
+            return
+        now = time.perf_counter()  # a prompt's prefill time runs from its first step (signal 3)
+        for seq, _ in plan:
+            seq.started_s = now if seq.started_s is None else seq.started_s
+        out = self.runner.forward_checked(self._rows(plan))  # I1: verified before any read
+        plan = self._drop_refused(plan, out)
+        done = self._advance(plan)
+        if done and out.logits is not None:
+            rows = [SampleRow(plan[i][0].work.sampling, 0) for i in done]
+            result = self.sampler.sample(out.logits[done], rows)
+            for i, token, lps in zip(done, result.tokens, result.logprobs, strict=True):
+                self._send(plan[i][0], token, lps or ())
+
+    def _schedule_running(self) -> list[tuple[_Seq, int]]:
+        """The next chunk of every running prompt, oldest first, while the budget lasts."""
         budget = self.config.max_batch_tokens
         plan: list[tuple[_Seq, int]] = []
         # Fairness: a prompt from a tenant with nothing in prefill goes first, alone, for one
@@ -238,13 +221,15 @@ class PrefillEngine:
             n = min(seq.remaining, self.config.step_chunk, budget)
             plan.append((seq, n))
             budget -= n
+        return plan
+
+    def _admit(self, budget: int) -> list[tuple[_Seq, int]]:
+        """Waiting prompts, in order, that get all their pages now; the first that cannot waits."""
+        plan: list[tuple[_Seq, int]] = []
         while budget > 0 and self.waiting:
             seq = self.waiting[0]
-            if not self._admissible(seq):
-                self.waiting.popleft()  # aborted while queued: nothing was allocated
-                continue
-            if not self._check_capacity(seq):
-                self.waiting.popleft()
+            if not self._admissible(seq) or not self._check_capacity(seq):
+                self.waiting.popleft()  # aborted while queued, or rejected: nothing allocated
                 continue
             if not self._allocate(seq):
                 break  # clean queuing: wait for pages, never a partial allocation
@@ -254,8 +239,7 @@ class PrefillEngine:
             n = min(seq.remaining, self.config.step_chunk, budget)
             plan.append((seq, n))
             budget -= n
-        if plan:
-            self._run(plan)
+        return plan
 
     def _admissible(self, seq: _Seq) -> bool:
         if Fault.ABORT_NOT_TERMINAL in self.faults:
@@ -335,39 +319,23 @@ class PrefillEngine:
             )
         return rows
 
-    def _run(self, plan: list[tuple[_Seq, int]]) -> None:
-        now = time.perf_counter()
-        for seq, _ in plan:
-            seq.started_s = now if seq.started_s is None else seq.started_s
-        rows = self._rows(plan)
-        try:
-            logits = self.runner.forward(rows)
-        except IsolationViolation as violation:
-            bad = set(self.runner.offending_rows(rows))
-            if not bad:
-                raise
-            for i in sorted(bad):
-                self._fail(plan[i][0], violation)
-            plan = [p for i, p in enumerate(plan) if i not in bad]
-            if not plan:
-                return
-            rows = [r for i, r in enumerate(rows) if i not in bad]
-            logits = self.runner.forward(rows)
-        done: list[tuple[int, _Seq]] = []
+    def _drop_refused(self, plan: list[tuple[_Seq, int]], out: Forwarded) -> list[tuple[_Seq, int]]:
+        """Fail the rows whose page tables the ledger refused (I1); the rest ran."""
+        for i in out.refused:
+            self._fail(plan[i][0], str(out.violation))
+        return [plan[i] for i in out.kept]
+
+    def _advance(self, plan: list[tuple[_Seq, int]]) -> list[int]:
+        """Record what the step computed; the indices (into `plan`) of prompts now complete."""
+        done = []
         for i, (seq, n) in enumerate(plan):
             start = seq.computed
             seq.computed += n
             self.counters.computed_tokens += n
             self._cache_full_pages(seq, start, seq.computed)
             if seq.remaining == 0:
-                done.append((i, seq))
-        if done:
-            idx = [i for i, _ in done]
-            result = self.sampler.sample(
-                logits[idx], [SampleRow(seq.work.sampling, 0) for _, seq in done]
-            )
-            for (_, seq), token, lps in zip(done, result.tokens, result.logprobs, strict=True):
-                self._send(seq, token, lps or ())
+                done.append(i)
+        return done
 
     def _cache_full_pages(self, seq: _Seq, start: int, end: int) -> None:
         """Offer pages this step completed to the cache: only now has the forward written them (I8)."""
@@ -400,10 +368,10 @@ class PrefillEngine:
             )
         )
 
-    def _fail(self, seq: _Seq, violation: IsolationViolation) -> None:
+    def _fail(self, seq: _Seq, violation: str) -> None:
         self.counters.isolation_violations += 1
         self.counters.failed += 1
-        error = RequestError(500, "isolation_violation", str(violation))
+        error = RequestError(500, "isolation_violation", violation)
         seq.req.fail(error)
         self.running.remove(seq)
         self._release(seq)

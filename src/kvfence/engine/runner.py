@@ -2,20 +2,31 @@
 
 The runner is the only engine code that touches the model. The model records
 the slots it writes and verifies every page table against the ledger before
-any gather (I1); when that check fails, `offending_rows` names the rows whose
-own tables the ledger refuses, so an engine can fail just those and re-run
-the step for the rest.
+any gather (I1); when that check fails, `forward_checked` finds the rows whose
+own tables the ledger refuses and re-runs the step once for the rest, so an
+engine fails just those rows (the one place that retry lives).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from kvfence.kv.pool import BatchPages, IsolationViolation, KVPool, PageHandle, PageState
 from kvfence.model.base import CausalLM
 from kvfence.model.batching import RowSpec, build_forward_batch
+
+
+@dataclass(frozen=True, slots=True)
+class Forwarded:
+    """One step's outcome: logits for the rows that ran, and the rows the ledger refused (I1)."""
+
+    logits: torch.Tensor | None  # [len(kept), vocab]; None when every row was refused
+    kept: list[int]  # indices into the step's rows, in order
+    refused: list[int]
+    violation: IsolationViolation | None = None
 
 
 class ModelRunner:
@@ -29,6 +40,19 @@ class ModelRunner:
         batch = build_forward_batch(self.page_size, rows)
         with torch.inference_mode():
             return self.model(batch, self.pool)
+
+    def forward_checked(self, rows: Sequence[RowSpec]) -> Forwarded:
+        """`forward`, except that rows whose own page tables fail the ledger check are dropped
+        and the step re-run once for the rest. A violation no single row explains is raised."""
+        try:
+            return Forwarded(self.forward(rows), list(range(len(rows))), [])
+        except IsolationViolation as violation:
+            refused = self.offending_rows(rows)
+            if not refused:
+                raise
+            kept = [i for i in range(len(rows)) if i not in set(refused)]
+            logits = self.forward([rows[i] for i in kept]) if kept else None
+            return Forwarded(logits, kept, refused, violation)
 
     def offending_rows(self, rows: Sequence[RowSpec]) -> list[int]:
         """After an `IsolationViolation`: the rows whose own page tables the ledger refuses."""

@@ -1,25 +1,31 @@
-"""KV geometry: the shape of one token's cache, shared by sizing and the pool."""
+"""KV geometry: the shape of one token's cache, shared by sizing and the pool.
+
+Importing this module does not import torch (sizing and the capacity gate run
+in the CLI before any model is loaded); only `torch_dtype` needs it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+_DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _check_dtype(name: str) -> str:
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"unsupported KV dtype {name!r}; choose one of {sorted(_DTYPE_BYTES)}")
+    return name
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(
-            f"unsupported KV dtype {name!r}; choose one of {sorted(_DTYPES)}"
-        ) from None
+    import torch  # deferred: see the module docstring
+
+    dtype: torch.dtype = getattr(torch, _check_dtype(name))
+    return dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +43,7 @@ class KVGeometry:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"KVGeometry.{name} must be a positive integer, got {value!r}")
-        parse_dtype(self.dtype)
+        _check_dtype(self.dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -45,7 +51,7 @@ class KVGeometry:
 
     @property
     def dtype_bytes(self) -> int:
-        return torch.tensor([], dtype=self.torch_dtype).element_size()
+        return _DTYPE_BYTES[self.dtype]
 
     @property
     def bytes_per_token(self) -> int:

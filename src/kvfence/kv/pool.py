@@ -25,16 +25,9 @@ import torch
 
 from kvfence.faults import Fault, FaultSet
 from kvfence.kv.geometry import KVGeometry
+from kvfence.kv.scrub import ScrubPolicy
 
 FREE_OWNER = 0
-
-
-class ScrubPolicy(enum.Enum):
-    """When page contents are zeroed. Invalidation (I5) happens regardless."""
-
-    NONE = "none"  # like SGLang and vLLM: stale bytes stay, the ledger guards reads
-    ON_RELEASE = "on_release"
-    ON_ALLOCATE = "on_allocate"
 
 
 class PageState(enum.IntEnum):

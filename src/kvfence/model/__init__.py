@@ -6,12 +6,35 @@ Knows no roles or transports (DESIGN.md, Conventions). Public entry points:
 `build_forward_batch` (per-row specs -> the `ForwardBatch` a model runs).
 """
 
-from kvfence.model.base import CausalLM, ForwardBatch
-from kvfence.model.batching import RowSpec, build_forward_batch
-from kvfence.model.config import ModelConfig, UnsupportedModelError
-from kvfence.model.loader import LoadedModel, ModelFilesError, load_model
-from kvfence.model.tiny import default_checkpoint_dir, make_tiny_checkpoint
-from kvfence.model.tokenizer import StreamingDetokenizer, Tokenizer
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Imported on first use (PEP 562): `kvfence.model.config` and the tokenizer need no torch,
+# and the router and the CLI read them without paying for it.
+_HOME = {
+    "CausalLM": "base",
+    "ForwardBatch": "base",
+    "RowSpec": "batching",
+    "build_forward_batch": "batching",
+    "ModelConfig": "config",
+    "UnsupportedModelError": "config",
+    "LoadedModel": "loader",
+    "ModelFilesError": "loader",
+    "load_model": "loader",
+    "default_checkpoint_dir": "tiny",
+    "make_tiny_checkpoint": "tiny",
+    "StreamingDetokenizer": "tokenizer",
+    "Tokenizer": "tokenizer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module 'kvfence.model' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"kvfence.model.{_HOME[name]}"), name)
+
 
 __all__ = [
     "CausalLM",

@@ -4,8 +4,10 @@ Every model step starts with `begin_step` (I1): the new tokens' slots must lie
 in their own row's page table at their positions, the pages they fill are
 marked written (only where that extends a contiguous written prefix, so a hole
 left by a transfer that never arrived stays a hole), and the ledger verifies
-every page the step will read — once, before any gather. After that, `gather`
-is the only way K/V leave the pool, for the real model and the mirror alike.
+every page the step will read — once, before any gather. After that, K/V
+leave the pool only through those verified tables: `gather` (prefill rows, the
+mirror) or the paged decode kernel (`model.paged_cpu`), which reads decode
+rows' pages in place.
 
 Backends plug in behind `AttentionBackend` (a CPU one here; GPU kernels later)
 and are looked up by name with `get_backend`.
@@ -23,14 +25,16 @@ import torch.nn.functional as F
 from kvfence.faults import Fault
 from kvfence.kv.pool import BatchPages, IsolationViolation, KVPool
 from kvfence.model.base import ForwardBatch
+from kvfence.model.batching import rows_of_tokens
+from kvfence.model.paged_cpu import PagedDecodeKernel
+from kvfence.model.paged_cpu import load as load_kernel
 
 # ---- the step prologue (I1) ---------------------------------------------------------------
 
 
 def token_rows(batch: ForwardBatch) -> torch.Tensor:
-    """[T] the row each new token belongs to."""
-    counts = batch.query_starts[1:] - batch.query_starts[:-1]
-    return torch.repeat_interleave(torch.arange(batch.num_rows), counts)
+    """[T] the row each new token belongs to (derived from `query_starts`, never given)."""
+    return rows_of_tokens(batch.query_starts)
 
 
 def _check_slots(pool: KVPool, batch: ForwardBatch, rows: torch.Tensor) -> None:
@@ -151,6 +155,17 @@ class AttentionPlan:
             self._masks[key] = additive[:, None, None, :]  # [R, 1, 1, L]
         return self._masks[key]
 
+    def decode_bounds(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """[R] first and one-past-last key position each decode row attends (the mask as a range)."""
+        key = ("bounds", -1, window)
+        if key not in self._masks:
+            qpos = self.batch.positions[self.decode_tokens]
+            hi = torch.minimum(self.batch.pages.lengths[self.decode_rows], qpos + 1)
+            lo = torch.zeros_like(qpos) if window is None else (qpos - window + 1).clamp(min=0)
+            self._masks[key] = torch.stack((lo, hi))
+        bounds = self._masks[key]
+        return bounds[0], bounds[1]
+
     def prefill_mask(self, i: int, window: int | None) -> torch.Tensor | None:
         p = self.prefill[i]
         if p.causal_from_zero and window is None:
@@ -195,7 +210,14 @@ class AttentionBackend(ABC):
 
 
 class CPUAttention(AttentionBackend):
-    """torch SDPA over gathered pages. Decode rows: one batched call; prefill rows: one call each."""
+    """Decode rows: the paged kernel in place (or one batched SDPA over gathered pages when the
+    kernel is not built or the dtype is not float32); prefill rows: SDPA over gathered pages.
+
+    `kernel=False` forces the gather path (the reference the kernel is tested against).
+    """
+
+    def __init__(self, kernel: bool = True) -> None:
+        self.kernel: PagedDecodeKernel | None = load_kernel() if kernel else None
 
     def write(
         self, pool: KVPool, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -284,6 +306,14 @@ class CPUAttention(AttentionBackend):
         r, heads, hd = q.shape
         kvh = pool.geometry.num_kv_heads
         rows = None if plan.decode_is_all else plan.decode_rows
+        if (
+            self.kernel is not None
+            and q.dtype == pool.k.dtype == torch.float32
+            and pool.k.is_contiguous()
+        ):
+            table = plan.batch.pages.pages if rows is None else plan.batch.pages.pages[rows]
+            lo, hi = plan.decode_bounds(window)
+            return self.kernel.attend(q, pool.k[layer], pool.v[layer], table, lo, hi, scale)
         k, v = gather(pool, layer, plan.batch.pages, rows, plan.decode_pages)
         k = _as(k, q.dtype).permute(0, 2, 1, 3)  # [R, kvh, L, hd]
         v = _as(v, q.dtype).permute(0, 2, 1, 3)

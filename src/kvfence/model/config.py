@@ -22,6 +22,9 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
 )
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
 
+# what `load_model(kind=...)` builds; mirror-body: the echo head over the real Llama body
+MODEL_KINDS: tuple[str, ...] = ("llama", "mirror", "mirror-body")
+
 
 class UnsupportedModelError(ValueError):
     """A checkpoint kvfence cannot run faithfully (architecture, RoPE type, activation...)."""

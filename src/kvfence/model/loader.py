@@ -18,14 +18,12 @@ from safetensors.torch import load_file
 
 from kvfence.kv.geometry import parse_dtype
 from kvfence.model.base import CausalLM
-from kvfence.model.config import ModelConfig
+from kvfence.model.config import MODEL_KINDS, ModelConfig
 from kvfence.model.llama import LlamaModel
 from kvfence.model.mirror import MirrorModel
 from kvfence.model.tokenizer import Tokenizer
 
 ModelKind = Literal["llama", "mirror", "mirror-body"]
-# mirror-body: the mirror's echo head over the checkpoint's real Llama body (real prefill cost).
-MODEL_KINDS: tuple[str, ...] = ("llama", "mirror", "mirror-body")
 
 
 class ModelFilesError(FileNotFoundError):

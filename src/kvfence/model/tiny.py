@@ -22,11 +22,12 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+if TYPE_CHECKING:
+    import torch
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BOS_TOKEN = "<|endoftext|>"
@@ -220,6 +221,8 @@ def _tokenizer_config(p: Preset, tokenizer: Tokenizer) -> dict[str, Any]:
 
 def _weights(p: Preset, seed: int) -> dict[str, torch.Tensor]:
     """HF Llama parameter names; normal(0, init_std) matrices, norms near 1 (not exactly, so they matter)."""
+    import torch  # deferred: finding the default checkpoint needs no torch
+
     gen = torch.Generator().manual_seed(seed)
     head_dim = p.hidden_size // p.num_heads
     h, q, kv, ff = (
@@ -297,6 +300,8 @@ def make_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, preset: str = "t
             "eos_token_id": tokenizer.token_to_id(EOS_TOKEN),
         },
     )
+    from safetensors.torch import save_file  # deferred, like torch
+
     weights = out / "model.safetensors"
     save_file(_weights(p, seed), str(weights), metadata={"format": "pt"})
     weights.chmod(0o644)  # like the other files: peers may read it from another account

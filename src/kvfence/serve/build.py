@@ -1,7 +1,8 @@
 """Wiring for the single-process server: checkpoint -> model -> LocalPipeline -> ServeConfig.
 
 Pool sizes are given in pages or bytes per role; bytes are turned into whole
-pages the way engines do (`pool_from_budget`). The server's engine facts
+pages the way engines do; given neither, from the memory available
+(`serve.pool_sizing`). The server's engine facts
 (scrub policy, prefix-cache namespacing, transport) are read from the
 pipeline's own configuration, so /server_info reports what runs.
 """
@@ -13,37 +14,17 @@ from pathlib import Path
 
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.pipeline import LocalPipeline
-from kvfence.engine.sizing import DEFAULT_HEADROOM, MemoryBudget, pool_from_budget
+from kvfence.engine.sizing import DEFAULT_HEADROOM
 from kvfence.faults import FaultSet
 from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import ScrubPolicy
 from kvfence.model.loader import LoadedModel, load_model
 from kvfence.serve.config import ServeConfig
+from kvfence.serve.pool_sizing import ROLES, PoolSizes, available_memory_bytes
 from kvfence.serve.transfer.inprocess import InProcessTransport
 from kvfence.serve.transfer.link import inprocess_link
 
-DEFAULT_KV_BYTES = 64 * 1024 * 1024  # per role
 SHARED_NAMESPACE = "shared"
-
-
-@dataclass(frozen=True, slots=True)
-class PoolSizes:
-    """KV pool size per role: pages, or a byte budget (exactly one per role)."""
-
-    prefill_pages: int | None = None
-    decode_pages: int | None = None
-    prefill_bytes: int | None = None
-    decode_bytes: int | None = None
-
-    def pages(self, role: str, geometry: KVGeometry) -> int:
-        pages = getattr(self, f"{role}_pages")
-        budget = getattr(self, f"{role}_bytes")
-        if pages is not None and budget is not None:
-            raise ValueError(f"give either pages or bytes for the {role} pool, not both")
-        if pages is not None:
-            return int(pages)
-        kv_bytes = DEFAULT_KV_BYTES if budget is None else int(budget)
-        return pool_from_budget(geometry, MemoryBudget(kv_bytes=kv_bytes)).num_pages
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +32,8 @@ class ServerParts:
     loaded: LoadedModel
     pipeline: LocalPipeline
     config: ServeConfig
+    geometry: KVGeometry
+    sizing: tuple[str, ...]  # how each role's pool was sized, for the start-up log
 
 
 def build_local(
@@ -58,7 +41,7 @@ def build_local(
     *,
     kind: str = "llama",
     context_length: int | None = None,
-    pools: PoolSizes = PoolSizes(),
+    pools: PoolSizes | None = None,
     page_size: int = 16,
     scrub: ScrubPolicy = ScrubPolicy.NONE,
     faults: FaultSet | None = None,
@@ -74,9 +57,12 @@ def build_local(
     loaded = load_model(model_dir, kind=kind)
     geometry = loaded.config.kv_geometry(page_size=page_size)
     ctx = context_length if context_length is not None else loaded.config.max_position_embeddings
+    pools = pools or PoolSizes()
+    available = available_memory_bytes()  # measured once, after the weights are in memory
+    prefill, decode = (pools.plan(r, geometry, ctx, headroom, available) for r in ROLES)
     engine = EngineConfig(
-        prefill_pages=pools.pages("prefill", geometry),
-        decode_pages=pools.pages("decode", geometry),
+        prefill_pages=prefill.pages,
+        decode_pages=decode.pages,
         page_size=page_size,
         context_length=ctx,
         scrub=scrub,
@@ -102,4 +88,4 @@ def build_local(
         prefix_cache=engine.prefix_cache,
         shared_prefix_cache=engine.shared_prefix_namespace is not None,
     )
-    return ServerParts(loaded=loaded, pipeline=pipeline, config=config)
+    return ServerParts(loaded, pipeline, config, geometry, (prefill.how, decode.how))

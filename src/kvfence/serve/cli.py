@@ -15,19 +15,19 @@ import sys
 from pathlib import Path
 
 import click
-import torch
 
 from kvfence.engine.sizing import DEFAULT_HEADROOM, CapacityGateError
 from kvfence.faults import FaultSet
-from kvfence.kv.pool import ScrubPolicy
-from kvfence.model.loader import MODEL_KINDS
+from kvfence.kv.scrub import ScrubPolicy
+from kvfence.model.config import MODEL_KINDS
 from kvfence.model.tiny import PRESETS, default_checkpoint_dir
-from kvfence.serve.app import create_app
-from kvfence.serve.build import PoolSizes, build_local
-from kvfence.serve.config import decide_capacity
 from kvfence.serve.pd.cli import pd_main
+from kvfence.serve.pool_sizing import DEFAULT_KV_FRACTION, PoolSizes, gate_fix_hint
 from kvfence.serve.tenants import TenantFileError, TenantRegistry
-from kvfence.serve.thread import bind, serve_forever, url_of
+
+# Torch, the model and the web stack are imported where they are used: the
+# `--disaggregated` supervisor and the router role never load a model, and on a
+# shared machine every torch import they skip is start-up time for the workers.
 
 EXIT_GATE = 1
 
@@ -99,7 +99,16 @@ def _is_loopback(host: str) -> bool:
 )
 @click.option("--kv-pages", default=None, help="KV pages per role: N, or prefill=N,decode=M")
 @click.option(
-    "--kv-bytes", default=None, help="KV bytes per role: N, or prefill=N,decode=M [64 MiB each]"
+    "--kv-bytes",
+    default=None,
+    help="KV bytes per role: N, or prefill=N,decode=M [default: sized from the available memory]",
+)
+@click.option(
+    "--kv-memory-fraction",
+    type=click.FloatRange(0.0, 1.0, min_open=True),
+    default=DEFAULT_KV_FRACTION,
+    show_default=True,
+    help="without --kv-pages/--kv-bytes: the most of the available memory each role's pool takes",
 )
 @click.option("--page-size", type=click.IntRange(1), default=16, show_default=True)
 @click.option(
@@ -143,10 +152,10 @@ def _is_loopback(host: str) -> bool:
 @click.option("--decode", "n_decode", type=click.IntRange(1), default=1, show_default=True)
 @click.option(
     "--transport",
-    type=click.Choice(["tcp", "shm"]),
+    type=click.Choice(["tcp", "shm", "mooncake", "nixl"]),
     default="tcp",
     show_default=True,
-    help="KV transport between prefill and decode processes",
+    help="KV transport between prefill and decode processes (mooncake, nixl: the pd extra)",
 )
 @click.option(
     "--role",
@@ -178,6 +187,7 @@ def serve(
     context_length: int | None,
     kv_pages: str | None,
     kv_bytes: str | None,
+    kv_memory_fraction: float,
     page_size: int,
     scrub: str,
     no_prefix_cache: bool,
@@ -211,17 +221,26 @@ def serve(
     if model_dir is None:
         click.echo(f"using the embedded {preset} checkpoint (made on first use)...", err=True)
         model_dir = default_checkpoint_dir(preset=preset)
-    if torch_threads:
+    if torch_threads and role in (None, "prefill", "decode") and not disaggregated:
+        import torch
+
         torch.set_num_threads(torch_threads)
     if disaggregated or role is not None:
         params = click.get_current_context().params
         sys.exit(pd_main(params, faults, tenants, model_dir, _announce))
+    from kvfence.serve.app import create_app
+    from kvfence.serve.build import build_local
+    from kvfence.serve.config import decide_capacity
+    from kvfence.serve.thread import bind, serve_forever, url_of
+
     try:
         parts = build_local(
             model_dir,
             kind=model_kind,
             context_length=context_length,
-            pools=PoolSizes(prefill_pages, decode_pages, prefill_bytes, decode_bytes),
+            pools=PoolSizes(
+                prefill_pages, decode_pages, prefill_bytes, decode_bytes, kv_memory_fraction
+            ),
             page_size=page_size,
             scrub=ScrubPolicy(scrub),
             faults=faults,
@@ -233,10 +252,13 @@ def serve(
         )
     except (OSError, ValueError) as e:
         raise click.UsageError(str(e)) from None
+    for line in parts.sizing:
+        click.echo(line, err=True)
     try:
         capacity = decide_capacity(parts.config, parts.pipeline.stats().pools)
     except CapacityGateError as e:
         click.echo(str(e), err=True)  # I4: the server does not start
+        click.echo(gate_fix_hint(e.report, parts.geometry), err=True)
         sys.exit(EXIT_GATE)
     app = create_app(
         parts.pipeline,

@@ -12,7 +12,6 @@ import click
 
 from kvfence.faults import FaultSet
 from kvfence.serve.pd.launch import RouterSpec, run_disaggregated, run_router
-from kvfence.serve.pd.workers import WorkerSpec, run_worker
 from kvfence.serve.tenants import TenantRegistry
 
 # Options every role must agree on, passed through to each child of --disaggregated.
@@ -21,6 +20,7 @@ _SHARED = (
     "context_length",
     "kv_pages",
     "kv_bytes",
+    "kv_memory_fraction",
     "page_size",
     "scrub",
     "transport",
@@ -106,6 +106,8 @@ def pd_main(
         return run_router(spec, tenants, announce)
     if params["router_addr"] is None:
         raise click.UsageError(f"--role {role} needs --router-addr (the router's control address)")
+    from kvfence.serve.pd.workers import WorkerSpec, run_worker  # torch: workers only
+
     worker = WorkerSpec(
         role=role,
         model_dir=str(model_dir),
@@ -114,6 +116,7 @@ def pd_main(
         router=params["router_addr"],
         pages=_per_role(params["kv_pages"], role),
         kv_bytes=_per_role(params["kv_bytes"], role),
+        kv_memory_fraction=params["kv_memory_fraction"],
         page_size=params["page_size"],
         context_length=params["context_length"],
         scrub=params["scrub"],

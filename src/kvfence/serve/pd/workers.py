@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,14 +43,16 @@ from kvfence.engine.prefill import OutboundTransfer, PrefillEngine
 from kvfence.faults import FaultSet
 from kvfence.kv.pool import KVPool, PageHandle, ScrubPolicy
 from kvfence.model.loader import LoadedModel, load_model
-from kvfence.serve.build import PoolSizes
 from kvfence.serve.channel import Inbox, Outbox
+from kvfence.serve.pool_sizing import DEFAULT_KV_FRACTION, PoolSizes, available_memory_bytes
 from kvfence.serve.transfer.base import KVSender, TransferRefused, TransportClosed
 from kvfence.serve.transfer.registry import get_transport
 
 log = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 0.5
+# KV transports that cross a process boundary (mooncake and nixl need the `pd` extra).
+CROSS_PROCESS_TRANSPORTS = ("tcp", "shm", "mooncake", "nixl")
 IDLE_POLL_MS = 20
 
 
@@ -63,7 +66,8 @@ class WorkerSpec:
     inbox: str  # the control address this worker binds, e.g. tcp://10.0.0.2:7001
     router: str  # the router's control inbox
     pages: int | None = None  # this role's KV pool in pages, or
-    kv_bytes: int | None = None  # a byte budget (whole pages, rounded down); default 64 MiB
+    kv_bytes: int | None = None  # a byte budget (whole pages, rounded down); default: from memory
+    kv_memory_fraction: float = DEFAULT_KV_FRACTION
     page_size: int = 16
     context_length: int | None = None
     scrub: str = ScrubPolicy.NONE.value
@@ -76,14 +80,24 @@ class WorkerSpec:
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"a worker role is 'prefill' or 'decode', got {self.role!r}")
-        if self.transport not in ("tcp", "shm"):
-            raise ValueError(f"a cross-process transport is 'tcp' or 'shm', got {self.transport!r}")
+        if self.transport not in CROSS_PROCESS_TRANSPORTS:
+            raise ValueError(
+                f"a cross-process transport is one of {', '.join(CROSS_PROCESS_TRANSPORTS)}, "
+                f"got {self.transport!r}"
+            )
 
 
 def role_pages(spec: WorkerSpec, loaded: LoadedModel) -> int:
     geometry = loaded.config.kv_geometry(page_size=spec.page_size)
-    sizes = PoolSizes(**{f"{spec.role}_pages": spec.pages, f"{spec.role}_bytes": spec.kv_bytes})
-    return sizes.pages(spec.role, geometry)
+    pages, kv_bytes, fraction = spec.pages, spec.kv_bytes, spec.kv_memory_fraction
+    if spec.role == "prefill":
+        sizes = PoolSizes(pages, None, kv_bytes, None, fraction)
+    else:
+        sizes = PoolSizes(None, pages, None, kv_bytes, fraction)
+    ctx = spec.context_length or loaded.config.max_position_embeddings
+    role = sizes.plan(spec.role, geometry, ctx, available=available_memory_bytes())
+    print(role.how, file=sys.stderr, flush=True)  # the start-up log says how it was sized
+    return role.pages
 
 
 def engine_config(spec: WorkerSpec, loaded: LoadedModel) -> EngineConfig:
@@ -254,7 +268,7 @@ def run_decode(spec: WorkerSpec) -> int:
 
     def status() -> WorkerStatus:
         c = engine.counters
-        busy = engine.has_work or bool(engine.seqs)
+        busy = engine.has_work or bool(engine.rooms())
         return _status(
             "decode", inbox, receiver.address, pool, busy, engine.outstanding_handles,
             finished=c.finished, rejected=c.rejected, aborted=c.aborted, failed=c.failed,
@@ -290,7 +304,7 @@ def run_decode(spec: WorkerSpec) -> int:
                 last_status = now
     except Exception as e:
         log.exception("decode worker failed")
-        _fail_all(list(engine.seqs), router.send, f"decode worker error: {type(e).__name__}: {e}")
+        _fail_all(engine.rooms(), router.send, f"decode worker error: {type(e).__name__}: {e}")
         return 1
     finally:
         receiver.close()

@@ -1,0 +1,109 @@
+"""The CPU paged-decode kernel: a small C++/OpenMP library built at install, called by ctypes.
+
+Decode rows attend through their page tables in place: the kernel reads each
+row's K/V straight from the pool pages its table names, over exactly the
+positions it attends, instead of gathering a padded [rows, max_len] copy per
+layer and step (that copy moved about as many bytes as the weights at
+concurrency 16). It runs after `attention.begin_step` has verified every page
+table against the ledger (I1), and reads nothing the table does not name.
+
+`make install` builds it (`python -m kvfence.model.paged_cpu build`) into
+`$KVFENCE_EXT_DIR` (default: `<venv>/share/kvfence`), named by a hash of its
+source and flags so a stale build is never loaded. Without a C++ compiler the
+engine uses the gather path (`CPUAttention` falls back and says so in the log).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+
+def library_path() -> Path:
+    """Where the built library for this source and these flags lives."""
+    root = Path(os.environ.get("KVFENCE_EXT_DIR", Path(sys.prefix) / "share" / "kvfence"))
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    return root / f"kvfence_paged_{digest}.so"
+
+
+def build() -> Path:
+    """Compile the kernel (a second or two); raises RuntimeError naming what is missing."""
+    out = library_path()
+    if out.exists():
+        return out
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++) found: install g++ to build the paged kernel")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(tmp)], check=True)
+    tmp.replace(out)  # atomic: a concurrent loader sees the old state or the whole library
+    return out
+
+
+class PagedDecodeKernel:
+    """`attend(q, k, v, table, lo, hi, scale)`: out[r] = softmax(q[r] K^T * scale) V over [lo, hi)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.kvf_paged_decode
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
+        self._fn = fn
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        table: torch.Tensor,
+        lo: torch.Tensor,
+        hi: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [R, H, D] f32; k, v [P, ps, KVH, D] f32 (one layer); table [R, W]; lo, hi [R] int64."""
+        if not (k.is_contiguous() and v.is_contiguous()):
+            raise ValueError("paged kernel: the pool's K/V must be contiguous")
+        if not (table.dtype == lo.dtype == hi.dtype == torch.int64):
+            raise ValueError("paged kernel: table, lo and hi must be int64")
+        q, table, lo, hi = q.contiguous(), table.contiguous(), lo.contiguous(), hi.contiguous()
+        r, h, d = q.shape
+        p, ps, kvh, _ = k.shape
+        out = torch.empty_like(q)
+        bad = self._fn(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), lo.data_ptr(),
+            hi.data_ptr(), out.data_ptr(), r, h, kvh, d, ps, int(table.shape[1]), p,
+            scale, torch.get_num_threads(),
+        )  # fmt: skip
+        if bad:
+            raise ValueError("paged kernel: a page table names a page outside the pool")
+        return out
+
+
+@functools.cache
+def load() -> PagedDecodeKernel | None:
+    """The built kernel, or None (logged once) when it was not built for this source."""
+    path = library_path()
+    if not path.exists():
+        log.warning("paged decode kernel not built (%s); using the gather path", path)
+        return None
+    return PagedDecodeKernel(ctypes.CDLL(str(path)))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["build"]:
+        sys.exit("usage: python -m kvfence.model.paged_cpu build")
+    print(f"paged decode kernel: {build()}")

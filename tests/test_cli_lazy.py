@@ -1,0 +1,53 @@
+"""`kvfence --help` and `kvfence gate` answer without importing torch or the lazy commands."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import click
+import pytest
+
+from kvfence.cli import _LAZY_COMMANDS
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["gate"]])
+def test_help_and_gate_do_not_import_torch(argv: list[str]) -> None:
+    code = (
+        "import sys\n"
+        "from kvfence.cli import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit as e:\n"
+        "    assert e.code in (0, None), e.code\n"
+        "heavy = sorted(m for m in ('torch', 'kvfence.serve.cli', 'kvfence.audit.cli',"
+        " 'kvfence.lab.cli') if m in sys.modules)\n"
+        "print('HEAVY', heavy)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    assert "HEAVY []" in out, out
+
+
+@pytest.mark.parametrize("name", sorted(_LAZY_COMMANDS))
+def test_lazy_short_help_is_the_commands_own(name: str) -> None:
+    lazy = _LAZY_COMMANDS[name]
+    command = lazy.load()
+    assert isinstance(command, click.Command)
+    own = (command.help or "").strip().splitlines()[0]
+    assert own == lazy.short_help, f"update the short help of {name!r} in kvfence/cli.py"
+
+
+def test_the_supervisor_and_router_roles_do_not_import_torch() -> None:
+    # `kvfence serve --disaggregated` and `--role router` load no model: every torch import
+    # they skip is start-up time the workers get on a small machine.
+    code = (
+        "import sys\n"
+        "import kvfence.serve.cli, kvfence.serve.pd.launch\n"
+        "print('TORCH', 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    assert "TORCH False" in out, out
