@@ -29,6 +29,7 @@ from kvfence.engine.messages import SamplingParams
 from kvfence.engine.pipeline import CollectingSink, LocalPipeline
 from kvfence.model.loader import load_model
 from kvfence.model.tiny import make_tiny_checkpoint
+from kvfence.serve.transfer.link import inprocess_link
 
 
 class TimedModel(torch.nn.Module):
@@ -60,7 +61,8 @@ def main() -> None:
         prefill_pages=pages, decode_pages=pages, page_size=16, max_running=args.rows
     )
     timed = TimedModel(loaded.model)
-    pipe = LocalPipeline(timed, loaded.config.kv_geometry(page_size=16), config)  # type: ignore[arg-type]
+    geometry = loaded.config.kv_geometry(page_size=16)
+    pipe = LocalPipeline(timed, geometry, config, kv_link=inprocess_link)  # type: ignore[arg-type]
     g = torch.Generator().manual_seed(1)
     vocab = loaded.config.vocab_size
     for i in range(args.rows):

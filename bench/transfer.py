@@ -9,7 +9,7 @@ of a few repetitions:
   raw       sendall/recv_into of the same bytes over a loopback socket
   tcp, shm  wall time from "send this request" to decode's TransferDone,
             including prefill's checksum of what it sends
-  recon     decode's `Landed.accept`: manifest checks + checksum compare
+  recon     decode's reconcile (I3): manifest checks + checksum compare
             (TCP checksums while receiving; shm checksums its pages here)
 
 Targets: shm >= 0.70 x memcpy, tcp >= 0.50 x raw, recon <= 5% of the transfer.
@@ -28,10 +28,11 @@ import numpy as np
 import torch
 
 from kvfence.engine.messages import PageRef, TransferDone
-from kvfence.engine.reconcile import Reservation
+from kvfence.engine.prefill import OutboundTransfer
+from kvfence.engine.reconcile import Reservation, payload_checksum, reconcile
 from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import KVPool
-from kvfence.serve.transfer import Landed, ManifestFields, framing, get_transport
+from kvfence.serve.transfer import Landed, framing, get_transport
 from kvfence.serve.transfer.listener import tune
 
 SEED = 1234
@@ -69,7 +70,9 @@ def prefill_main(transport: str, address: str, conn: Connection) -> None:
     while (cmd := conn.recv()) is not None:
         room, num_tokens, dest = cmd
         refs = tuple(PageRef(i, g) for i, g in dest)
-        sender.send(room, pool, handles, num_tokens, refs, ManifestFields("bench", 0))
+        sender.send(
+            OutboundTransfer(room, "bench", num_tokens, refs, tuple(handles), 0, (), 0), pool
+        )
         conn.send("sent")
     sender.close()
 
@@ -128,7 +131,8 @@ class Transport:
         assert self.pipe.recv() == "sent"
         landed = next(e for e in events if isinstance(e, Landed))
         t1 = time.perf_counter()
-        landed.accept(res, self.pool)
+        checksum = landed.checksum or payload_checksum(self.pool, res.handles, n_tokens)
+        reconcile(landed.manifest, res, self.pool, checksum)  # as DecodeEngine.on_transfer
         recon = time.perf_counter() - t1
         self.pool.release(res.handles)
         return transfer, recon

@@ -115,3 +115,31 @@ def test_runbook_loads_the_statistical_checks_by_name() -> None:
     assert isinstance(load_check("prefix_sharing"), PrefixSharingCheck)
     assert isinstance(load_check("noninterference"), NoninterferenceCheck)
     assert isinstance(load_check("latency"), LatencyCheck)
+
+
+def test_a_check_that_cannot_load_fails_the_audit_instead_of_skipping(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A missing dependency used to turn a check into SKIPPED with exit code 0 (fail open)."""
+    import importlib
+
+    from kvfence.audit import runbook
+    from kvfence.audit.base import CheckResult
+
+    real = importlib.import_module
+
+    def without_latency(name: str, package: str | None = None) -> object:
+        if name == "kvfence.audit.latency":
+            raise ModuleNotFoundError("No module named 'scipy'", name="scipy")
+        return real(name, package)
+
+    monkeypatch.setattr(runbook.importlib, "import_module", without_latency)
+    with pytest.raises(runbook.CheckUnavailable, match="scipy"):
+        runbook.load_check("latency")
+    lost = runbook.loaded_or_inconclusive("latency", "http://target")
+    assert isinstance(lost, CheckResult) and lost.verdict is Verdict.INCONCLUSIVE
+    assert "scipy" in lost.summary
+    assert not isinstance(runbook.loaded_or_inconclusive("canary", "http://target"), CheckResult)
+    passed = CheckResult("canary", "http://target", Verdict.PASS, "no sentinel leaked")
+    run = runbook.AuditRun([], [passed, lost], ("canary", "latency"), "now", 0.0, 0)
+    assert run.exit_code() == 2  # the deploy is blocked, not waved through

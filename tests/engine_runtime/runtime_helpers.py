@@ -15,6 +15,7 @@ from kvfence.model.base import CausalLM
 from kvfence.model.config import ModelConfig
 from kvfence.model.loader import load_model
 from kvfence.model.tiny import make_tiny_checkpoint
+from kvfence.serve.transfer.link import inprocess_link
 
 PAGE = 16
 
@@ -37,7 +38,8 @@ class Models:
         base = EngineConfig(prefill_pages=64, decode_pages=128, page_size=PAGE)
         config = replace(base, **overrides)  # type: ignore[arg-type]
         model = self.mirror if kind == "mirror" else self.llama
-        return LocalPipeline(model, self.config.kv_geometry(page_size=PAGE), config, faults)
+        geometry = self.config.kv_geometry(page_size=PAGE)
+        return LocalPipeline(model, geometry, config, faults, kv_link=inprocess_link)
 
 
 def greedy(max_tokens: int, **kw: object) -> SamplingParams:

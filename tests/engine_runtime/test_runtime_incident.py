@@ -15,11 +15,11 @@ from dataclasses import replace
 import pytest
 from runtime_helpers import Models, assert_quiet_and_empty, greedy, run, submit, work
 
-from kvfence.engine.decode import DecodeEngine
-from kvfence.engine.pipeline import InProcessCopy, LocalPipeline
+from kvfence.engine.pipeline import LocalPipeline
 from kvfence.engine.prefill import OutboundTransfer
 from kvfence.faults import Fault, FaultSet
 from kvfence.kv.pool import KVPool
+from kvfence.serve.transfer.link import TransportLink
 
 SENTINEL = list(range(300, 360))  # tenant A's 60 tokens: fits the 64-token prefill pool
 OVERLONG = list(range(100, 200))  # tenant B's 100 tokens: over the prefill pool
@@ -82,21 +82,22 @@ def test_any_single_defence_turns_the_leak_into_a_clean_error(
     assert_quiet_and_empty(pipe)
 
 
-class ShortCopy(InProcessCopy):
+class ShortLink(TransportLink):
     """A transport that sends one page and calls it done (the #30233 transfer)."""
 
-    def send(self, transfer: OutboundTransfer, src: KVPool, decode: DecodeEngine) -> bool:
+    def send(self, transfer: OutboundTransfer, src: KVPool) -> bool:
         forged = replace(transfer, src_pages=transfer.src_pages[:1], num_tokens=16)
-        return super().send(forged, src, decode)
+        return super().send(forged, src)
 
 
 def forged_run(models: Models, faults: FaultSet) -> tuple[LocalPipeline, object, list[int]]:
     pipe = models.pipeline(faults=faults)
-    honest = pipe.kv_copy
+    honest = pipe.kv_link
+    assert isinstance(honest, TransportLink)
     (a,) = run(pipe, [work("a", "tenant-a", SENTINEL, greedy(4))])
-    pipe.kv_copy = ShortCopy()  # the wire turns bad between two requests
+    pipe.kv_link = ShortLink(honest.receiver, honest.sender)  # the wire turns bad
     (b,) = run(pipe, [work("b", "tenant-b", list(range(100, 164)), greedy(30))])
-    pipe.kv_copy = honest
+    pipe.kv_link = honest
     assert a.error is None
     return pipe, b, [t for t in b.token_ids if t in set(SENTINEL)]
 

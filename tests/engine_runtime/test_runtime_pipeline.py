@@ -241,7 +241,7 @@ def _reserved_then_aborted(models: Models, faults: FaultSet) -> LocalPipeline:
 def test_abort_defers_release_until_the_transfer_window_closes(models: Models) -> None:
     pipe = _reserved_then_aborted(models, FaultSet())
     assert pipe.decode_pool.num_pending == 3 and pipe.decode_pool.num_free == 128 - 3  # I7
-    pipe.decode.inbound_closed("r")
+    pipe.pump()  # the transport confirms the cancelled room: the window closes
     assert pipe.decode_pool.num_free == 128
     assert_quiet_and_empty(pipe)
 

@@ -53,6 +53,7 @@ from kvfence.model.loader import load_model
 from kvfence.serve.app import create_app
 from kvfence.serve.build import PoolSizes, build_local
 from kvfence.serve.tenants import TenantRegistry
+from kvfence.serve.transfer.link import inprocess_link
 
 pytestmark = pytest.mark.slow  # real servers on loopback
 
@@ -366,7 +367,7 @@ def reuse_after_decode_side_abort(checkpoint: Path, faults: FaultSet) -> Reuse:
     loaded = load_model(checkpoint, kind="mirror")
     config = EngineConfig(prefill_pages=32, decode_pages=32, chunk_size=16, max_batch_tokens=16)
     geometry = loaded.config.kv_geometry(page_size=config.page_size)
-    pipe = LocalPipeline(loaded.model, geometry, config, faults)
+    pipe = LocalPipeline(loaded.model, geometry, config, faults, kv_link=inprocess_link)
     a_sink, b_sink = CollectingSink(), CollectingSink()
     pipe.submit(GenerateWork("ra", "tenant-a", tuple(range(300, 364)), greedy(4), "a"), a_sink)
     pipe.pump()  # bootstrap: decode reserves 4 pages, the window opens; prefill computes 16 tokens
@@ -374,12 +375,14 @@ def reuse_after_decode_side_abort(checkpoint: Path, faults: FaultSet) -> Reuse:
     assert a_seq.req.state is RequestState.BOOTSTRAPPING and a_seq.reservation is not None
     a_pages = {h.index for h in a_seq.reservation.handles}
     pipe.decode.abort("ra", "client gone")  # prefill still owes the transfer
+    # B's bootstrap is the first thing the next pump does, before the transport confirms
+    # the cancelled room (I7): what is parked now is what is parked when B reserves.
+    pending = pipe.decode_pool.num_pending
     pipe.submit(GenerateWork("rb", "tenant-b", tuple(range(100, 140)), greedy(4), "b"), b_sink)
     pipe.pump()
     b_seq = pipe.decode.seqs["rb"]
     assert b_seq.reservation is not None
     b_pages = {h.index for h in b_seq.reservation.handles}
-    pending = pipe.decode_pool.num_pending
     pipe.drive()
     b = b_sink.wait(0)
     assert b.error is None and b.token_ids == list(range(100, 104))  # B's own tokens

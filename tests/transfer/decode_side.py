@@ -12,8 +12,9 @@ from multiprocessing.connection import Connection
 from transfer_children import GEOM, PROMPT, Job, run_jobs, sender_process
 
 from kvfence.engine.messages import TransferDone
-from kvfence.engine.reconcile import Reservation
+from kvfence.engine.reconcile import Reservation, payload_checksum, reconcile
 from kvfence.faults import FaultSet
+from kvfence.kv.pool import KVPool
 from kvfence.serve.transfer import Event, Landed, get_transport
 
 CTX = multiprocessing.get_context("spawn")
@@ -58,6 +59,11 @@ class Decode:
         assert len(found) == 1, f"room {room}: {self.events.get(room)}"
         return found[0]
 
+    def accept(self, room: str, reservation: Reservation) -> None:
+        """What `DecodeEngine.on_transfer` does with a landed payload: reconcile it (I3)."""
+        landed = self.landed(room)
+        accept(landed, reservation, self.pool)
+
     def release_all(self) -> None:
         for res in self.reservations.values():
             self.pool.release(res.handles)
@@ -89,3 +95,12 @@ def prefill(decode: Decode, jobs: list[Job]) -> Iterator[Connection]:
         if isinstance(worker, multiprocessing.process.BaseProcess) and worker.is_alive():
             worker.kill()
             worker.join()
+
+
+def accept(landed: Landed, reservation: Reservation, pool: KVPool) -> None:
+    """Reconcile a landed payload against its reservation (I3), as decode does; raises
+    `TransferMismatch`; marks the pages written on success."""
+    checksum = landed.checksum
+    if checksum is None:  # written in place: decode checksums its own pages
+        checksum = payload_checksum(pool, reservation.handles, reservation.num_tokens)
+    reconcile(landed.manifest, reservation, pool, checksum)

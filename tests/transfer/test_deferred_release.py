@@ -121,7 +121,7 @@ def test_a_tcp_sender_dying_mid_payload_ends_the_room_and_the_receiver_carries_o
         good = decode.reserve("next")
         with prefill(decode, [job(good, seed=6)]):
             decode.wait_done("next")
-        decode.landed("next").accept(good, decode.pool)
+        decode.accept("next", good)
         decode.release_all()
         decode.pool.check_integrity()
         assert decode.pool.num_free == decode.pool.num_pages

@@ -52,11 +52,11 @@ def test_tcp_receiver_survives_garbage_and_refuses_an_unknown_room() -> None:
         sock.close()
         with prefill(decode, [honest]):
             decode.wait_done("real")
-        decode.landed("real").accept(res, decode.pool)  # the receiver kept working
+        decode.accept("real", res)  # the receiver kept working
         ghost = decode.landed("ghost")
         assert ghost.checksum is not None and ghost.checksum.startswith("refused: room 'ghost'")
         with pytest.raises(TransferMismatch, match="room"):
-            ghost.accept(res, decode.pool)
+            decode.accept("ghost", res)
         decode.release_all()
         decode.pool.check_integrity()
     finally:

@@ -55,7 +55,7 @@ def test_several_requests_land_and_reconcile(transport: str) -> None:
             assert [conn.recv()[0] for _ in rooms] == ["sent"] * 3
         for i, res in enumerate(rooms):
             assert decode.done(res.room) is not None and decode.done(res.room).ok  # type: ignore[union-attr]
-            decode.landed(res.room).accept(res, decode.pool)
+            decode.accept(res.room, res)
             assert landed_bytes_equal_source(decode, res, seed=10 + i)
             written = decode.pool.written[[h.index for h in res.handles]].tolist()
             assert written == [4] * 7 + [2]  # 30 tokens in pages of 4: only written slots count
@@ -110,12 +110,12 @@ def test_every_transfer_fault_is_refused_and_the_receiver_keeps_working(transpor
             decode.pool.k.view(torch.uint8)[0, page].view(-1)[5] ^= 0x10
         for room, field in FAULTS.items():
             with pytest.raises(TransferMismatch) as err:
-                decode.landed(room).accept(decode.reservations[room], decode.pool)
+                decode.accept(room, decode.reservations[room])
             assert err.value.field == field, f"{room}: {err.value}"
             assert not decode.pool.written[
                 [h.index for h in decode.reservations[room].handles]
             ].any()
-        decode.landed(good.room).accept(good, decode.pool)
+        decode.accept(good.room, good)
         assert landed_bytes_equal_source(decode, good, seed=42)
         assert_quiet_and_clean(decode)
     finally:
@@ -130,7 +130,7 @@ def test_with_reconciliation_bypassed_the_short_transfer_is_accepted(transport: 
         res = decode.reserve("short")
         with prefill(decode, [job(res, seed=5, num_tokens=1)]):
             decode.wait_done(res.room)
-        decode.landed(res.room).accept(res, decode.pool)  # no TransferMismatch: the leak's door
+        decode.accept(res.room, res)  # no TransferMismatch: the leak's door
         written = decode.pool.written[[h.index for h in res.handles]].tolist()
         # Only what landed is marked written, so the I1 read check still stands alone.
         assert written == [1] + [0] * 7
@@ -150,7 +150,7 @@ def test_a_reservation_released_and_reallocated_is_stale_in_the_ledger() -> None
         other = decode.pool.allocate(decode.pool.register_owner("other"), GEOM.pages_for(PROMPT))
         assert {h.index for h in other} == {h.index for h in res.handles}
         with pytest.raises(TransferMismatch) as err:
-            decode.landed("r").accept(res, decode.pool)
+            decode.accept("r", res)
         assert err.value.field.startswith("ledger page")
         decode.pool.release(other)
         decode.reservations.clear()

@@ -18,10 +18,12 @@ import numpy as np
 import torch
 
 from kvfence.engine.messages import PageRef, encode_message
+from kvfence.engine.prefill import OutboundTransfer
 from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import KVPool, PageHandle
-from kvfence.serve.transfer import ManifestFields, TransferRefused, framing, get_transport
-from kvfence.serve.transfer.base import InPlaceSender, KVSender, Outgoing, PoolShape
+from kvfence.serve.transfer import TransferRefused, framing, get_transport
+from kvfence.serve.transfer.base import InPlaceSender, KVSender
+from kvfence.serve.transfer.layout import Outgoing, PoolShape
 
 GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
 PROMPT = 30  # tokens: 8 pages of 4, the last one partly filled
@@ -68,11 +70,15 @@ def tamper(out: Outgoing, how: str) -> Outgoing:
     return out
 
 
+def outbound(job: Job, handles: list[PageHandle]) -> OutboundTransfer:
+    """What prefill hands the transport for this job (first token 7)."""
+    dest = tuple(PageRef(i, g) for i, g in job.dest)
+    return OutboundTransfer(job.room, job.tenant, job.num_tokens, dest, tuple(handles), 7, (), 0)
+
+
 def run_job(sender: KVSender, job: Job, conn: Connection) -> tuple[str, str]:
     pool, handles = source_pool(job.seed)
-    dest = tuple(PageRef(i, g) for i, g in job.dest)
-    fields = ManifestFields(tenant=job.tenant, first_token=7)
-    out = tamper(sender.prepare(job.room, pool, handles, job.num_tokens, dest, fields), job.tamper)
+    out = tamper(sender.prepare(outbound(job, handles), pool), job.tamper)
     try:
         if job.hold:
             assert isinstance(sender, InPlaceSender)
@@ -109,11 +115,7 @@ def dying_tcp_sender(address: str, job: Job, conn: Connection) -> None:
     _, body, _ = framing.recv_frame(sock)
     shape = PoolShape.from_json(json.loads(body))
     pool, handles = source_pool(job.seed)
-    dest = tuple(PageRef(i, g) for i, g in job.dest)
-    sender_view = KVSenderShim(shape)
-    out = sender_view.prepare(
-        job.room, pool, handles, job.num_tokens, dest, ManifestFields(job.tenant, 7)
-    )
+    out = KVSenderShim(shape).prepare(outbound(job, handles), pool)
     framing.send_frame(sock, framing.DATA, encode_message(out.manifest), out.payload_bytes)
     half = np.frombuffer(pool.k.view(torch.uint8).reshape(-1).numpy().data, np.uint8)
     sock.sendall(half[: out.payload_bytes // 2].tobytes())

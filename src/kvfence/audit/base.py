@@ -221,10 +221,6 @@ class Budget:
     def remaining_s(self) -> float:
         return max(0.0, self.max_seconds - self.elapsed_s)
 
-    @property
-    def remaining_requests(self) -> int:
-        return max(0, self.max_requests - self._sent)
-
     def charge(self, n: int = 1) -> None:
         """Account for `n` requests about to be sent; raise when a cap is reached."""
         with self._lock:

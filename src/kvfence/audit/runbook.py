@@ -44,15 +44,23 @@ CHECK_MODULES: tuple[tuple[str, str], ...] = (
 ALL_CHECKS: tuple[str, ...] = tuple(name for name, _ in CHECK_MODULES)
 
 
-def load_check(name: str) -> Check | None:
-    """Instantiate the check called `name`, or None when its module is not in this build."""
+class CheckUnavailable(Exception):
+    """A known check that cannot be loaded (its module or a dependency is missing or broken)."""
+
+
+def load_check(name: str) -> Check:
+    """Instantiate the check called `name`; raises `CheckUnavailable` when it cannot load.
+
+    A check that cannot load never counts as skipped: the audit reports it
+    INCONCLUSIVE, which blocks a deploy (fail closed: unknown is never a pass).
+    """
     module_name = dict(CHECK_MODULES).get(name)
     if module_name is None:
         raise ValueError(f"unknown check {name!r}; choose from {', '.join(ALL_CHECKS)}")
     try:
         module = importlib.import_module(f"kvfence.audit.{module_name}")
-    except ModuleNotFoundError:
-        return None
+    except ImportError as e:  # ModuleNotFoundError included: a dependency not installed
+        raise CheckUnavailable(f"cannot import kvfence.audit.{module_name}: {e}") from e
     for obj in vars(module).values():
         if (
             isinstance(obj, type)
@@ -62,7 +70,15 @@ def load_check(name: str) -> Check | None:
             and not getattr(obj, "__abstractmethods__", None)
         ):
             return obj()
-    return None
+    raise CheckUnavailable(f"kvfence.audit.{module_name} defines no check named {name!r}")
+
+
+def loaded_or_inconclusive(name: str, url: str) -> Check | CheckResult:
+    """The check, or the INCONCLUSIVE result that stands for it when it cannot load."""
+    try:
+        return load_check(name)
+    except CheckUnavailable as e:
+        return _result(name, url, Verdict.INCONCLUSIVE, f"check could not be loaded: {e}")
 
 
 @dataclass(slots=True)
@@ -196,7 +212,7 @@ def _audit_target(
         target.configure_client(ctx.client(target, "b"))
     except Exception as e:  # fail closed; each check will report it again
         summary.error = f"facts not readable: {type(e).__name__}: {e}"
-    counters = load_check("counters") if "counters" in ordered else None
+    counters = loaded_or_inconclusive("counters", target.url) if "counters" in ordered else None
     if isinstance(counters, CountersCheck):
         try:
             counters.snapshot(ctx, target)
@@ -205,11 +221,11 @@ def _audit_target(
     summary.requests_sent += ctx.budget.sent - sent0
     for i, name in enumerate(ordered):
         ctx.progress(f"{target.url}: {name}", i / len(ordered))
-        check = counters if name == "counters" else load_check(name)
-        if check is None:
-            emit(_result(name, target.url, Verdict.SKIPPED, "check not available in this build"))
-            continue
-        emit(run_check(check, ctx, target))
+        check = counters if name == "counters" else loaded_or_inconclusive(name, target.url)
+        if isinstance(check, CheckResult):
+            emit(check)  # fail closed: a check that cannot run is not a skip
+        elif check is not None:
+            emit(run_check(check, ctx, target))
     ctx.progress(f"{target.url}: done", 1.0)
 
 

@@ -18,20 +18,50 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvfence.engine.messages import Failure, SamplingParams, TokenChunk
+from kvfence.engine.messages import (
+    Bootstrap,
+    Failure,
+    PageRef,
+    PrefillWork,
+    SamplingParams,
+    TokenChunk,
+)
 
 Sink = Callable[[TokenChunk | Failure], None]
 
 
 @dataclass(frozen=True, slots=True)
 class GenerateWork:
+    """One admitted request, as the router hands it to a backend; the PD messages derive from it."""
+
     room: str  # made by the server, never by a client (I9)
     tenant: str
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
-    cache_namespace: (
-        str  # tenant, or tenant + cache_salt; a shared namespace only by operator opt-in (I8)
-    )
+    # tenant, or tenant + cache_salt; a shared namespace only by operator opt-in (I8)
+    cache_namespace: str
+
+    def bootstrap(self) -> Bootstrap:
+        """Decode's reservation request: pages for exactly this prompt (I3 checks against it)."""
+        return Bootstrap(
+            room=self.room,
+            tenant=self.tenant,
+            num_prompt_tokens=len(self.prompt_ids),
+            max_tokens=self.sampling.max_tokens,
+            sampling=self.sampling,
+        )
+
+    def prefill_work(self, dest_pages: tuple[PageRef, ...], decode_addr: str = "") -> PrefillWork:
+        """Prefill's job, once decode has reserved `dest_pages` (at `decode_addr` in PD mode)."""
+        return PrefillWork(
+            room=self.room,
+            tenant=self.tenant,
+            prompt_ids=self.prompt_ids,
+            sampling=self.sampling,
+            dest_pages=dest_pages,
+            cache_namespace=self.cache_namespace,
+            decode_addr=decode_addr,
+        )
 
 
 @dataclass(frozen=True, slots=True)

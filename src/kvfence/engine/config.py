@@ -58,11 +58,3 @@ class EngineConfig:
     @property
     def step_chunk(self) -> int:
         return self.chunk_size or self.max_batch_tokens
-
-    @property
-    def prefill_pool_tokens(self) -> int:
-        return self.prefill_pages * self.page_size
-
-    @property
-    def decode_pool_tokens(self) -> int:
-        return self.decode_pages * self.page_size

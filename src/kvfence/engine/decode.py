@@ -210,10 +210,6 @@ class DecodeEngine:
     def _ready(seq: _Seq) -> BootstrapReady:
         return BootstrapReady(seq.req.rid, tuple(PageRef(h.index, h.generation) for h in seq.pages))
 
-    def reservation(self, room: str) -> Reservation | None:
-        seq = self.seqs.get(room)
-        return seq.reservation if seq is not None else None
-
     # ---- transfer -----------------------------------------------------------------------
 
     def inbound_closed(self, room: str) -> None:

@@ -1,10 +1,12 @@
 """The in-process PD pipeline: router, prefill and decode roles in one engine thread.
 
 kvfence is always disaggregated in structure. Here the prefill engine and the
-decode engine each own a `KVPool` in the same process, and a `KVCopy` moves
-KV from one to the other with a manifest that decode reconciles (I3), inside
-an inbound window that defers any release (I7). The disaggregated backend
-runs the very same engines in separate processes.
+decode engine each own a `KVPool` in the same process, and a `KVLink` (a KV
+transport's two halves, engine/kvlink.py) moves KV from one to the other
+under the same contract as across processes: a grant before any write, a
+manifest that decode reconciles (I3), and an inbound window that defers any
+release until the transport confirms (I7). The disaggregated backend runs
+the very same engines in separate processes.
 
 One engine thread loops: take new submits and aborts (the router role:
 bootstrap at decode, then prefill work), one prefill step, the KV copies it
@@ -17,28 +19,26 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from kvfence.engine.backend import BackendStats, GenerateWork, PoolInfo, Sink
 from kvfence.engine.config import EngineConfig
-from kvfence.engine.decode import DecodeEngine, InboundWindow
+from kvfence.engine.decode import DecodeEngine
+from kvfence.engine.kvlink import KVLinkFactory, apply_transfer_events
 from kvfence.engine.messages import (
     Abort,
-    Bootstrap,
     BootstrapReady,
     ErrorInfo,
     Failure,
-    PrefillWork,
     TokenChunk,
     TransferDone,
 )
-from kvfence.engine.prefill import OutboundTransfer, PrefillEngine, PrefillOutput
-from kvfence.engine.reconcile import payload_checksum
-from kvfence.faults import Fault, FaultSet
+from kvfence.engine.prefill import PrefillEngine, PrefillOutput
+from kvfence.engine.routing import Room, Rooms, is_final
+from kvfence.faults import FaultSet
 from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import KVPool
 from kvfence.model.base import CausalLM
@@ -46,48 +46,6 @@ from kvfence.model.base import CausalLM
 log = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.01  # re-check after a step that made no progress (e.g. waiting for pages)
-
-
-class KVCopy(Protocol):
-    """Moves one request's KV from prefill's pool into decode's reserved pages.
-
-    `window`: the decode-side inbound window (I7) the transport keeps, or None
-    to let decode keep it in its pool ledger (then the transport closes it with
-    `decode.inbound_closed`). `send` writes only into pages whose window is
-    open and returns False if it refused. `poll` hands decode whatever landed
-    or ended since the last call (`decode.on_transfer`, `decode.abort`) and
-    returns whether anything did. A `serve.transfer` backend fits behind this
-    with a small adapter built on decode's pool (`LocalPipeline(kv_copy=...)`).
-    """
-
-    window: InboundWindow | None
-
-    def send(self, transfer: OutboundTransfer, src: KVPool, decode: DecodeEngine) -> bool: ...
-
-    def poll(self, decode: DecodeEngine) -> bool: ...
-
-
-class InProcessCopy:
-    """Page-to-page tensor copy between two pools in one process (the embedded default)."""
-
-    window: InboundWindow | None = None
-
-    def send(self, transfer: OutboundTransfer, src: KVPool, decode: DecodeEngine) -> bool:
-        if transfer.room not in decode.local_inbound.open:
-            return False  # no window open for this room: never write into someone's pages
-        manifest = transfer.manifest(payload_checksum(src, transfer.src_pages, transfer.num_tokens))
-        n = len(transfer.src_pages)
-        src_idx = torch.tensor([h.index for h in transfer.src_pages], dtype=torch.int64)
-        dst_idx = torch.tensor([r.index for r in transfer.dest_pages[:n]], dtype=torch.int64)
-        dst = decode.pool
-        dst.k[:, dst_idx] = src.k[:, src_idx]
-        dst.v[:, dst_idx] = src.v[:, src_idx]
-        decode.inbound_closed(transfer.room)  # I7: nothing more will land
-        decode.on_transfer(manifest, None)  # decode checksums what landed in its own pages
-        return True
-
-    def poll(self, decode: DecodeEngine) -> bool:
-        return False  # `send` delivers synchronously
 
 
 @dataclass(slots=True)
@@ -112,12 +70,13 @@ class LocalPipeline:
         from kvfence.engine.pipeline import CollectingSink, LocalPipeline
         from kvfence.model.loader import load_model
         from kvfence.engine.backend import GenerateWork
+        from kvfence.serve.transfer.link import inprocess_link
 
         loaded = load_model(checkpoint_dir, kind="mirror")
         geometry = loaded.config.kv_geometry(page_size=16)
         config = EngineConfig(prefill_pages=256, decode_pages=512, page_size=16,
                               eos_token_ids=loaded.config.eos_token_ids)
-        pipe = LocalPipeline(loaded.model, geometry, config)
+        pipe = LocalPipeline(loaded.model, geometry, config, kv_link=inprocess_link)
         pipe.start()
         sink = CollectingSink()
         pipe.submit(GenerateWork("room-1", "tenant-a", (5, 6, 7), SamplingParams(max_tokens=3,
@@ -126,7 +85,8 @@ class LocalPipeline:
         pipe.stop()
 
     `submit` and `abort` are thread-safe and never block on the model; events
-    reach the sink from the engine thread.
+    reach the sink from the engine thread. `kv_link` makes the transport from
+    decode's pool; the engine only defines the seam (serve.transfer fills it).
     """
 
     def __init__(
@@ -136,7 +96,7 @@ class LocalPipeline:
         config: EngineConfig,
         faults: FaultSet | None = None,
         *,
-        kv_copy: Callable[[KVPool], KVCopy] | None = None,
+        kv_link: KVLinkFactory,
         device: str | torch.device = "cpu",
     ) -> None:
         if geometry.page_size != config.page_size:
@@ -151,21 +111,18 @@ class LocalPipeline:
         self.decode_pool = KVPool(
             geometry, config.decode_pages, scrub=config.scrub, faults=self.faults, device=device
         )
-        self.kv_copy: KVCopy = kv_copy(self.decode_pool) if kv_copy else InProcessCopy()
+        self.kv_link = kv_link(self.decode_pool)
         self.prefill = PrefillEngine(model, self.prefill_pool, config, self.faults)
         self.decode = DecodeEngine(
-            model, self.decode_pool, config, self.faults, inbound=self.kv_copy.window
+            model, self.decode_pool, config, self.faults, inbound=self.kv_link.window
         )
         self._cond = threading.Condition()
         self._inbox: list[_Submit | _AbortCmd] = []
-        self._sinks: dict[str, Sink] = {}  # rooms not yet ended (I6: each ends once)
-        self._pending: dict[str, PrefillWork] = {}  # waiting for decode's reservation
+        self.rooms = Rooms(self.faults)  # requests not yet ended (I6: each ends once)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._idle = True
         self._broken: str | None = None
-        self._aborted = 0
-        self._prompt_tokens = 0
         self._transfer_failures = 0
 
     # ---- Backend ------------------------------------------------------------------------
@@ -202,9 +159,9 @@ class LocalPipeline:
         return BackendStats(
             requests_finished=d.finished,
             requests_rejected=p.rejected + d.rejected,
-            requests_aborted=self._aborted,
+            requests_aborted=self.rooms.aborted,
             requests_failed=p.failed + d.failed,
-            prompt_tokens=self._prompt_tokens,
+            prompt_tokens=self.rooms.prompt_tokens,
             generation_tokens=d.generation_tokens,
             prefix_cache_queried_tokens=cache.queried_tokens,
             prefix_cache_hit_tokens=cache.hit_tokens,
@@ -294,68 +251,35 @@ class LocalPipeline:
         after = self.prefill.counters.computed_tokens + self.decode.counters.generation_tokens
         return progressed or after != before
 
-    # ---- routing (the router role) ----------------------------------------------------------
+    # ---- routing (the router role, engine/routing.py) ---------------------------------------
 
     def _route_submit(self, work: GenerateWork, sink: Sink) -> None:
         if self._broken is not None:
             sink(Failure(work.room, ErrorInfo(503, "server_error", self._broken)))
             return
-        if work.room in self._sinks:
-            sink(Failure(work.room, ErrorInfo(409, "conflict", f"room {work.room} is in use (I9)")))
+        boot = self.rooms.admit(Room(work, sink))
+        if isinstance(boot, Failure):
+            sink(boot)  # the room is someone else's: never merged (I9)
             return
-        self._sinks[work.room] = sink
-        self._prompt_tokens += len(work.prompt_ids)
-        self._pending[work.room] = PrefillWork(
-            room=work.room,
-            tenant=work.tenant,
-            prompt_ids=work.prompt_ids,
-            sampling=work.sampling,
-            dest_pages=(),
-            cache_namespace=work.cache_namespace,
-        )
-        answer = self.decode.bootstrap(
-            Bootstrap(
-                room=work.room,
-                tenant=work.tenant,
-                num_prompt_tokens=len(work.prompt_ids),
-                max_tokens=work.sampling.max_tokens,
-                sampling=work.sampling,
-            )
-        )
+        answer = self.decode.bootstrap(boot)
         if isinstance(answer, BootstrapReady):
             self._on_ready(answer)
         elif isinstance(answer, Failure):
-            self._pending.pop(work.room, None)
             self._deliver(answer)
 
     def _on_ready(self, ready: BootstrapReady) -> None:
-        work = self._pending.pop(ready.room, None)
-        if work is None:
-            return
-        self.prefill.submit(
-            PrefillWork(
-                room=work.room,
-                tenant=work.tenant,
-                prompt_ids=work.prompt_ids,
-                sampling=work.sampling,
-                dest_pages=ready.pages,
-                cache_namespace=work.cache_namespace,
-            )
-        )
+        work = self.rooms.ready(ready)
+        if work is not None:
+            self.prefill.submit(work)
 
     def _route_abort(self, room: str, reason: str) -> None:
-        if room not in self._sinks:
+        ending = self.rooms.abort(room, reason)
+        if ending is None:
             return
-        self._aborted += 1
-        self._pending.pop(room, None)
         self.prefill.abort(room, reason)
         self.decode.abort(room, reason)
         self._route_prefill(self.prefill.drain())
-        if Fault.ABORT_AS_SUCCESS in self.faults:
-            # SGLang #33507: the abort reported as a normal end, HTTP 200.
-            self._deliver(TokenChunk(room, (), finish_reason="length"))
-        else:
-            self._deliver(Failure(room, ErrorInfo(499, "aborted", f"request aborted: {reason}")))
+        self._deliver(ending)
 
     def _route_prefill(self, out: PrefillOutput) -> bool:
         for failure in out.to_router:
@@ -363,14 +287,22 @@ class LocalPipeline:
         for msg in out.to_decode:
             if isinstance(msg, Abort):
                 self.decode.abort(msg.room, msg.reason)
-            elif isinstance(msg, TransferDone):
-                self.decode.inbound_closed(msg.room)  # prefill will never send: window closes (I7)
+            elif isinstance(msg, TransferDone) and not msg.ok:
+                self.kv_link.window.cancel(msg.room)  # prefill will never send (I7)
         for transfer in out.transfers:
-            sent = self.kv_copy.send(transfer, self.prefill_pool, self.decode)
+            sent = self.kv_link.send(transfer, self.prefill_pool)
             if not sent:
                 self._transfer_failures += 1
             self.prefill.transfer_done(transfer.room, ok=sent)  # I7: only now may prefill free
-        return self.kv_copy.poll(self.decode) or bool(out)
+        return self._route_transfers() or bool(out)
+
+    def _route_transfers(self) -> bool:
+        """What landed goes to decode (I3); a room that ended without landing fails (I6)."""
+        events = self.kv_link.poll()
+        for failure in apply_transfer_events(self.decode, events):
+            self._transfer_failures += 1
+            self._deliver(failure)
+        return bool(events)
 
     def _route_decode(self) -> bool:
         out = self.decode.drain()
@@ -381,22 +313,21 @@ class LocalPipeline:
         return bool(out)
 
     def _deliver(self, event: TokenChunk | Failure) -> None:
-        final = isinstance(event, Failure) or event.finish_reason is not None
-        sink = self._sinks.pop(event.room, None) if final else self._sinks.get(event.room)
-        if sink is None:
+        room = self.rooms.target(event)
+        if room is None:
             return  # already ended (I6: exactly once)
         try:
-            sink(event)
+            room.sink(event)
         except Exception:
             log.exception("sink for room %s failed; aborting the request", event.room)
-            if not final:
-                self._sinks.pop(event.room, None)
+            if not is_final(event):
+                self.rooms.open.pop(event.room, None)
                 self.prefill.abort(event.room, "sink failed")
                 self.decode.abort(event.room, "sink failed")
 
     def _break(self, why: str) -> None:
         self._broken = why
-        for room in list(self._sinks):
+        for room in list(self.rooms.open):
             self._deliver(Failure(room, ErrorInfo(500, "server_error", why)))
         with self._cond:
             self._idle = True

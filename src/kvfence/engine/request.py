@@ -84,7 +84,6 @@ class Request:
     state: RequestState = RequestState.WAITING
     error: RequestError | None = None
     finish_reason: str | None = None
-    output_ids: list[int] = field(default_factory=list)
     history: list[RequestState] = field(default_factory=list)
     # The legacy reject field of SGLang #30233, written only under the lab's
     # `abort-not-terminal` fault switch. Production code never reads it.

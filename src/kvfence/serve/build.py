@@ -19,6 +19,8 @@ from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import ScrubPolicy
 from kvfence.model.loader import LoadedModel, load_model
 from kvfence.serve.config import ServeConfig
+from kvfence.serve.transfer.inprocess import InProcessTransport
+from kvfence.serve.transfer.link import inprocess_link
 
 DEFAULT_KV_BYTES = 64 * 1024 * 1024  # per role
 SHARED_NAMESPACE = "shared"
@@ -82,7 +84,7 @@ def build_local(
         eos_token_ids=loaded.tokenizer.eos_ids,
     )
     faults = faults or FaultSet()
-    pipeline = LocalPipeline(loaded.model, geometry, engine, faults)
+    pipeline = LocalPipeline(loaded.model, geometry, engine, faults, kv_link=inprocess_link)
     config = ServeConfig(
         model_name=loaded.name,
         context_length=ctx,
@@ -93,7 +95,7 @@ def build_local(
         lab_profile=lab_profile,
         default_max_tokens=default_max_tokens,
         scrub_policy=engine.scrub.value,
-        transport="in-process",
+        transport=InProcessTransport.name,
         disaggregated=False,
         prefix_cache=engine.prefix_cache,
         shared_prefix_cache=engine.shared_prefix_namespace is not None,

@@ -31,7 +31,7 @@ class ServeConfig:
     lab_profile: str | None = None
     default_max_tokens: int = 16
     scrub_policy: str = "none"
-    transport: str = "in-process"
+    transport: str = "inprocess"  # the registry name of the transport that runs
     disaggregated: bool = False
     prefix_cache: bool = True
     shared_prefix_cache: bool = False  # the operator's explicit opt-in (I8)

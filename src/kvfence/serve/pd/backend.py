@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq
 
@@ -32,12 +32,12 @@ from kvfence.engine.messages import (
     ErrorInfo,
     Failure,
     Message,
-    PrefillWork,
     TokenChunk,
     TransferDone,
     WorkerStatus,
 )
-from kvfence.faults import Fault, FaultSet
+from kvfence.engine.routing import Room, Rooms, Stage
+from kvfence.faults import FaultSet
 from kvfence.serve.channel import Inbox, Outbox
 
 log = logging.getLogger(__name__)
@@ -60,29 +60,10 @@ class Timeouts:
 
 
 @dataclass(slots=True)
-class _Room:
-    work: GenerateWork
-    sink: Sink
-    decode: str  # decode worker inbox
-    prefill: str
-    stage: str = "bootstrap"  # bootstrap -> transfer -> decode
-    deadline: float = 0.0
-
-
-@dataclass(slots=True)
 class _Worker:
     outbox: Outbox
     status: WorkerStatus | None = None
     seen: float = 0.0
-
-
-@dataclass(slots=True)
-class _Counters:
-    aborted: int = 0
-    timeouts: int = 0
-    prompt_tokens: int = 0
-    transfer_failures: int = 0
-    per_room: dict[str, int] = field(default_factory=dict)
 
 
 class PDBackend:
@@ -113,11 +94,10 @@ class PDBackend:
         self._decode = {a: _Worker(Outbox(self._ctx, a)) for a in decode}
         self._next_prefill = itertools.cycle(prefill)
         self._next_decode = itertools.cycle(decode)
-        self._rooms: dict[str, _Room] = {}
-        self._lock = (
-            threading.Lock()
-        )  # guards rooms, counters and every outbox (zmq sockets are not thread-safe)
-        self._counters = _Counters()
+        self._rooms = Rooms(self.faults)  # the router role, shared with the in-process pipeline
+        # Guards rooms, counters and every outbox (zmq sockets are not thread-safe).
+        self._lock = threading.Lock()
+        self._timeouts = 0
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
 
@@ -148,7 +128,7 @@ class PDBackend:
             self._thread.join()
             self._thread = None
         with self._lock:
-            rooms = list(self._rooms)
+            rooms = list(self._rooms.open)
         for room in rooms:
             self._finish(room, Failure(room, ErrorInfo(503, "server_error", "router stopping")))
         for _, w in self._workers():
@@ -160,59 +140,30 @@ class PDBackend:
 
     def submit(self, work: GenerateWork, sink: Sink) -> None:
         with self._lock:
-            if work.room in self._rooms:  # I9: a collision is refused, never merged
-                collision = True
-            else:
-                collision = False
-                decode, prefill = (
-                    self._pick(self._decode, self._next_decode),
-                    self._pick(self._prefill, self._next_prefill),
-                )
-                self._rooms[work.room] = _Room(
-                    work,
-                    sink,
-                    decode,
-                    prefill,
-                    deadline=time.monotonic() + self.timeouts.bootstrap_s,
-                )
-                self._counters.prompt_tokens += len(work.prompt_ids)
-                self._decode[decode].outbox.send(
-                    Bootstrap(
-                        room=work.room,
-                        tenant=work.tenant,
-                        num_prompt_tokens=len(work.prompt_ids),
-                        max_tokens=work.sampling.max_tokens,
-                        sampling=work.sampling,
-                    )
-                )
-        if collision:
-            sink(Failure(work.room, ErrorInfo(409, "conflict", f"room {work.room} is in use (I9)")))
+            decode = self._pick(self._decode, self._next_decode)
+            prefill = self._pick(self._prefill, self._next_prefill)
+            deadline = time.monotonic() + self.timeouts.bootstrap_s
+            boot = self._rooms.admit(Room(work, sink, Stage.BOOTSTRAP, deadline, decode, prefill))
+            if isinstance(boot, Bootstrap):
+                self._decode[decode].outbox.send(boot)
+        if isinstance(boot, Failure):
+            sink(boot)  # I9: a collision is refused, never merged
 
     def abort(self, room: str, reason: str) -> None:
         with self._lock:
-            if room not in self._rooms:
-                return
-            self._counters.aborted += 1
-        if Fault.ABORT_AS_SUCCESS in self.faults:
-            # SGLang #33507: the abort reported as a normal end, HTTP 200.
-            self._finish(room, TokenChunk(room, (), finish_reason="length"), reason=reason)
-        else:
-            self._finish(
-                room,
-                Failure(room, ErrorInfo(499, "aborted", f"request aborted: {reason}")),
-                reason=reason,
-            )
+            ending = self._rooms.abort(room, reason)
+        if ending is not None:
+            self._finish(room, ending, reason=reason)
 
     def stats(self) -> BackendStats:
         with self._lock:
             statuses = [w.status for _, w in self._workers() if w.status is not None]
-            c = self._counters
             return BackendStats(
                 requests_finished=sum(s.finished for s in statuses),
                 requests_rejected=sum(s.rejected for s in statuses),
-                requests_aborted=c.aborted,
-                requests_failed=sum(s.failed for s in statuses) + c.timeouts,
-                prompt_tokens=c.prompt_tokens,
+                requests_aborted=self._rooms.aborted,
+                requests_failed=sum(s.failed for s in statuses) + self._timeouts,
+                prompt_tokens=self._rooms.prompt_tokens,
                 generation_tokens=sum(s.generation_tokens for s in statuses),
                 prefix_cache_queried_tokens=sum(s.prefix_cache_queried_tokens for s in statuses),
                 prefix_cache_hit_tokens=sum(s.prefix_cache_hit_tokens for s in statuses),
@@ -234,12 +185,12 @@ class PDBackend:
 
     def open_rooms(self) -> int:
         with self._lock:
-            return len(self._rooms)
+            return len(self._rooms.open)
 
     def stages(self) -> dict[str, tuple[str, str]]:
         """Open rooms -> (stage, decode worker): for operators and tests."""
         with self._lock:
-            return {r: (room.stage, room.decode) for r, room in self._rooms.items()}
+            return {r: (room.stage.value, room.decode) for r, room in self._rooms.open.items()}
 
     # ---- the poller -------------------------------------------------------------------------
 
@@ -285,39 +236,29 @@ class PDBackend:
             self._finish(msg.room, msg, reason=msg.error.message)
         elif isinstance(msg, Abort | TransferDone):
             with self._lock:  # prefill's word for decode: forward to the decode holding the room
-                room = self._rooms.get(msg.room)
+                room = self._rooms.open.get(msg.room)
                 if room is not None:
                     self._decode[room.decode].outbox.send(msg)
 
     def _on_ready(self, ready: BootstrapReady) -> None:
         with self._lock:
-            room = self._rooms.get(ready.room)
-            if room is None or room.stage != "bootstrap":
+            room = self._rooms.open.get(ready.room)
+            if room is None:
                 return  # ended meanwhile: decode got (or gets) the abort
             decode_status = self._decode[room.decode].status
             kv_addr = decode_status.kv_address if decode_status is not None else ""
-            room.stage, room.deadline = "transfer", time.monotonic() + self.timeouts.transfer_s
-            w = room.work
-            self._prefill[room.prefill].outbox.send(
-                PrefillWork(
-                    room=w.room,
-                    tenant=w.tenant,
-                    prompt_ids=w.prompt_ids,
-                    sampling=w.sampling,
-                    dest_pages=ready.pages,
-                    cache_namespace=w.cache_namespace,
-                    decode_addr=kv_addr,
-                )
-            )
+            work = self._rooms.ready(ready, kv_addr)
+            if work is not None:
+                room.deadline = time.monotonic() + self.timeouts.transfer_s
+                self._prefill[room.prefill].outbox.send(work)
 
     def _deliver(self, chunk: TokenChunk) -> None:
         with self._lock:
-            room = self._rooms.get(chunk.room)
+            room = self._rooms.target(chunk)
             if room is None:
                 return
-            room.stage, room.deadline = "decode", time.monotonic() + self.timeouts.decode_s
-            sink = room.sink
-        sink(chunk)
+            room.deadline = time.monotonic() + self.timeouts.decode_s
+        room.sink(chunk)
 
     def _finish(
         self,
@@ -329,7 +270,7 @@ class PDBackend:
     ) -> None:
         """End the room exactly once (I6); on a failure, tell both workers to stop and release."""
         with self._lock:
-            room = self._rooms.pop(room_id, None)
+            room = self._rooms.open.pop(room_id, None)
             if room is None:
                 return
             if abort_workers:
@@ -367,7 +308,7 @@ class PDBackend:
             with self._lock:
                 orphans = [
                     r
-                    for r, room in self._rooms.items()
+                    for r, room in self._rooms.open.items()
                     if room.decode in dead or room.prefill in dead
                 ]
             for room_id in orphans:
@@ -385,8 +326,8 @@ class PDBackend:
                 )
         now = time.monotonic()
         with self._lock:
-            late = [(r, room.stage) for r, room in self._rooms.items() if now > room.deadline]
-            self._counters.timeouts += len(late)
+            late = [(r, room.stage) for r, room in self._rooms.open.items() if now > room.deadline]
+            self._timeouts += len(late)
         for room_id, stage in late:
             limit = getattr(self.timeouts, f"{stage}_s")
             self._finish(

@@ -27,6 +27,7 @@ import zmq
 
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.decode import DecodeEngine
+from kvfence.engine.kvlink import apply_transfer_events
 from kvfence.engine.messages import (
     Abort,
     Bootstrap,
@@ -38,19 +39,12 @@ from kvfence.engine.messages import (
     WorkerStatus,
 )
 from kvfence.engine.prefill import OutboundTransfer, PrefillEngine
-from kvfence.engine.request import RequestState
 from kvfence.faults import FaultSet
 from kvfence.kv.pool import KVPool, PageHandle, ScrubPolicy
 from kvfence.model.loader import LoadedModel, load_model
 from kvfence.serve.build import PoolSizes
 from kvfence.serve.channel import Inbox, Outbox
-from kvfence.serve.transfer.base import (
-    KVSender,
-    Landed,
-    ManifestFields,
-    TransferRefused,
-    TransportClosed,
-)
+from kvfence.serve.transfer.base import KVSender, TransferRefused, TransportClosed
 from kvfence.serve.transfer.registry import get_transport
 
 log = logging.getLogger(__name__)
@@ -191,8 +185,7 @@ def run_prefill(spec: WorkerSpec) -> int:
             sender = senders.get(addr)
             if sender is None:
                 sender = senders[addr] = transport.sender(addr)
-            fields = ManifestFields(t.tenant, t.first_token, t.first_logprobs, t.cached_tokens)
-            sender.send(t.room, pool, t.src_pages, t.num_tokens, t.dest_pages, fields)
+            sender.send(t, pool)
             return True
         except (TransferRefused, TransportClosed, OSError, ValueError) as e:
             broken = senders.pop(addr, None)
@@ -269,10 +262,6 @@ def run_decode(spec: WorkerSpec) -> int:
             transfer_mismatches=c.transfer_mismatches, transfer_failures=transfer_failures,
         )  # fmt: skip
 
-    def awaiting_transfer(room: str) -> bool:
-        seq = engine.seqs.get(room)
-        return seq is not None and seq.req.state is RequestState.BOOTSTRAPPING
-
     last_status = 0.0
     try:
         while not stop.requested:
@@ -285,23 +274,9 @@ def run_decode(spec: WorkerSpec) -> int:
                     engine.abort(msg.room, msg.reason)
                 elif isinstance(msg, TransferDone) and not msg.ok:
                     receiver.cancel(msg.room)  # prefill will never send: close the window (I7)
-            for event in receiver.poll():
-                if isinstance(event, Landed):
-                    engine.on_transfer(event.manifest, event.checksum)
-                elif not event.ok and awaiting_transfer(event.room):
-                    # The transfer was cancelled, refused or its sender died: nothing to decode.
-                    transfer_failures += 1
-                    engine.abort(event.room, "KV transfer did not complete")
-                    router.send(
-                        Failure(
-                            event.room,
-                            ErrorInfo(
-                                502,
-                                "transfer_failed",
-                                "KV transfer did not complete (sender gone or transfer refused)",
-                            ),
-                        )
-                    )
+            for failure in apply_transfer_events(engine, receiver.poll()):
+                transfer_failures += 1  # cancelled, refused or its sender died: nothing to decode
+                router.send(failure)
             if engine.has_work:
                 engine.step()
             out = engine.drain()

@@ -4,21 +4,14 @@ See `base.py` for the contract (and how NIXL / Mooncake would plug in) and
 `registry.py` for picking a backend by name.
 """
 
-from kvfence.serve.transfer.base import (
-    Event,
-    KVReceiver,
-    KVSender,
-    KVTransport,
-    Landed,
-    ManifestFields,
-    TransferRefused,
-)
+from kvfence.serve.transfer.base import KVReceiver, KVSender, KVTransport, TransferRefused
 from kvfence.serve.transfer.registry import (
     TransportRegistry,
     builtin_registry,
     get_transport,
     transport_names,
 )
+from kvfence.serve.transfer.rooms import Event, Landed
 
 __all__ = [
     "Event",
@@ -26,7 +19,6 @@ __all__ = [
     "KVSender",
     "KVTransport",
     "Landed",
-    "ManifestFields",
     "TransferRefused",
     "TransportRegistry",
     "builtin_registry",

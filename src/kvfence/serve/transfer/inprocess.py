@@ -11,15 +11,8 @@ import dataclasses
 
 from kvfence.engine.reconcile import byte_views
 from kvfence.kv.pool import KVPool
-from kvfence.serve.transfer.base import (
-    InPlaceSender,
-    KVReceiver,
-    KVTransport,
-    Outgoing,
-    PoolShape,
-    TransferRefused,
-    copy_runs_into,
-)
+from kvfence.serve.transfer.base import InPlaceSender, KVReceiver, KVTransport, TransferRefused
+from kvfence.serve.transfer.layout import Outgoing, PoolShape, copy_runs_into
 
 
 class InProcessReceiver(KVReceiver):

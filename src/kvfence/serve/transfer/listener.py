@@ -16,7 +16,8 @@ from typing import Any
 
 from kvfence.kv.pool import KVPool
 from kvfence.serve.transfer import framing
-from kvfence.serve.transfer.base import KVReceiver, PoolShape, TransportClosed
+from kvfence.serve.transfer.base import KVReceiver, TransportClosed
+from kvfence.serve.transfer.layout import PoolShape
 
 log = logging.getLogger(__name__)
 

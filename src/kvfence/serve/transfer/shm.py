@@ -33,15 +33,8 @@ from kvfence.engine.reconcile import byte_views
 from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import KVPool
 from kvfence.serve.transfer import framing
-from kvfence.serve.transfer.base import (
-    InPlaceSender,
-    KVTransport,
-    Outgoing,
-    PoolShape,
-    TransferRefused,
-    TransportClosed,
-    copy_runs_into,
-)
+from kvfence.serve.transfer.base import InPlaceSender, KVTransport, TransferRefused, TransportClosed
+from kvfence.serve.transfer.layout import Outgoing, PoolShape, copy_runs_into
 from kvfence.serve.transfer.listener import ListeningReceiver, tune
 
 log = logging.getLogger(__name__)

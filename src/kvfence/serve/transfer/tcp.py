@@ -20,14 +20,8 @@ from kvfence.engine.messages import MessageError, TransferManifest, decode_messa
 from kvfence.engine.reconcile import StreamChecksum, byte_views, payload_bytes
 from kvfence.kv.pool import KVPool
 from kvfence.serve.transfer import framing
-from kvfence.serve.transfer.base import (
-    KVSender,
-    KVTransport,
-    Outgoing,
-    PoolShape,
-    TransportClosed,
-    receive_layout,
-)
+from kvfence.serve.transfer.base import KVSender, KVTransport, TransportClosed
+from kvfence.serve.transfer.layout import Outgoing, PoolShape, receive_layout
 from kvfence.serve.transfer.listener import ListeningReceiver, tune
 
 log = logging.getLogger(__name__)
