@@ -16,10 +16,16 @@ one per request, a second one raises and changes nothing) and
 
 The same machine runs with each fault switch that removes a defence, and
 must then find the violation: the tests can fail.
+
+Depth: a CI run takes at least `PROPERTY_STEPS` steps (10^5 by default, about
+45 s of one core); `KVFENCE_PROPERTY_STEPS=1000000` is the longer profile for
+runs outside CI. The fault runs use the same examples, at the same depth.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from collections import Counter
 from dataclasses import dataclass
 from typing import TypeVar
@@ -498,6 +504,15 @@ CI = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
+# Steps per CI run; the longer profile sets KVFENCE_PROPERTY_STEPS. A run of 100-step
+# examples averages ~88 steps (hypothesis ends some early), so 80 per example is budgeted.
+PROPERTY_STEPS = int(os.environ.get("KVFENCE_PROPERTY_STEPS", "100000"))
+STEPS_PER_EXAMPLE = 100
+DEEP = settings(
+    CI,
+    max_examples=math.ceil(PROPERTY_STEPS / 80),
+    stateful_step_count=STEPS_PER_EXAMPLE,
+)
 
 
 def machine(
@@ -510,13 +525,11 @@ def machine(
     )
 
 
-def test_isolation_holds_over_thousands_of_random_steps() -> None:
+def test_isolation_holds_over_a_hundred_thousand_random_steps() -> None:
     stats: Counter[str] = Counter()
-    run_state_machine_as_test(
-        machine(FaultSet(), True, stats),
-        settings=settings(CI, max_examples=100, stateful_step_count=60),
-    )
-    assert stats["step"] >= 3000, f"only {stats['step']} steps ran"
+    run_state_machine_as_test(machine(FaultSet(), True, stats), settings=DEEP)
+    print(f"property steps: {stats['step']} ({DEEP.max_examples} examples)")
+    assert stats["step"] >= PROPERTY_STEPS, f"only {stats['step']} of {PROPERTY_STEPS} steps ran"
     # Every path the invariants guard was actually taken, many times.
     for what in (
         "read allowed",
@@ -528,7 +541,9 @@ def test_isolation_holds_over_thousands_of_random_steps() -> None:
         "illegal transition refused",
         "request ended",
     ):
-        assert stats[what] >= 10, f"the run exercised {what!r} only {stats[what]} times: {stats}"
+        assert stats[what] >= PROPERTY_STEPS // 1000, (
+            f"the run exercised {what!r} only {stats[what]} times: {stats}"
+        )
 
 
 @pytest.mark.parametrize(
@@ -545,16 +560,16 @@ def test_property_finds_the_leak_when_a_defence_is_off(
 ) -> None:
     """Each fault switch removes one defence; the same machine must find the violation.
 
-    Shrinking is skipped: the assertion is on what was found, and the search
-    is deterministic (derandomized), so this is a fixed, fast replay in CI.
+    It runs the deep run's own settings (same examples, same depth): the
+    violation is found within them. Shrinking is skipped: the assertion is on
+    what was found, and the search is deterministic (derandomized), so this
+    is a fixed, fast replay in CI.
     """
     with pytest.raises(AssertionError, match=finds):
         run_state_machine_as_test(
             machine(FaultSet.of(fault), check_ledger),
             settings=settings(
-                CI,
-                max_examples=300,
-                stateful_step_count=60,
+                DEEP,
                 report_multiple_bugs=False,
                 phases=[Phase.explicit, Phase.reuse, Phase.generate],
             ),

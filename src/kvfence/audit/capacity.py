@@ -8,9 +8,10 @@ INCONCLUSIVE — a gate that cannot read the pool must block, not pass.
 from __future__ import annotations
 
 import math
+from typing import Any
 
-from kvfence.audit.base import AuditContext, Check, CheckResult, Fact, Verdict
-from kvfence.audit.targets.base import Target
+from kvfence.audit.base import AuditContext, Check, CheckResult, Fact, Verdict, worst
+from kvfence.audit.targets.base import NodeFacts, Target
 
 
 def _context_fact(ctx: AuditContext, target: Target, facts_context: Fact) -> Fact:
@@ -35,6 +36,29 @@ class CapacityCheck(Check):
             "engine": target.engine,
             "detected_by": target.detected_by,
         }
+        if facts.nodes:
+            return self._fleet(ctx, target, facts.nodes, facts.context_length, evidence)
+        role = facts.extra.get("pd_role")
+        if role is not None and role.value == "decode":
+            evidence["pd_role"] = role.to_json()
+            return self.result(
+                target,
+                Verdict.INCONCLUSIVE,
+                f"decode node ({role.source}): prompts are written into the prefill nodes' "
+                "pools, where the reject path fires, so a decode pool proves nothing about the "
+                "fleet — audit the router URL or every prefill node",
+                evidence,
+            )
+        return self._gate(target, pool, context, ctx.headroom, evidence)
+
+    def _gate(
+        self,
+        target: Target,
+        pool: Fact,
+        context: Fact,
+        headroom: float,
+        evidence: dict[str, Any],
+    ) -> CheckResult:
         pool_n, context_n = pool.as_int(), context.as_int()
         if pool_n is None:
             return self.result(
@@ -51,7 +75,7 @@ class CapacityCheck(Check):
                 f"context length unknown ({context.source}); pass --context N",
                 evidence,
             )
-        required = math.ceil(context_n * ctx.headroom)
+        required = math.ceil(context_n * headroom)
         evidence["required_tokens"] = required
         evidence["margin_tokens"] = pool_n - required
         evidence["ratio"] = round(pool_n / context_n, 4) if context_n else None
@@ -59,21 +83,62 @@ class CapacityCheck(Check):
             return self.result(
                 target,
                 Verdict.PASS,
-                f"pool {pool_n:,} ≥ context {context_n:,} × {ctx.headroom} = {required:,} "
+                f"pool {pool_n:,} ≥ context {context_n:,} × {headroom} = {required:,} "
                 f"(margin {pool_n - required:,} tokens)",
                 evidence,
             )
         shortfall = required - pool_n
         evidence["shortfall_tokens"] = shortfall
-        evidence["fixes"] = fixes(pool_n, context_n, ctx.headroom)
+        evidence["fixes"] = fixes(pool_n, context_n, headroom)
         return self.result(
             target,
             Verdict.FAIL,
-            f"pool {pool_n:,} < context {context_n:,} × {ctx.headroom} = {required:,}: "
+            f"pool {pool_n:,} < context {context_n:,} × {headroom} = {required:,}: "
             f"short by {shortfall:,} tokens ({pool_n / context_n:.2f}× context). "
             "A prompt near the context cannot fit: the reject path is live traffic",
             evidence,
         )
+
+    def _fleet(
+        self,
+        ctx: AuditContext,
+        target: Target,
+        nodes: list[NodeFacts],
+        fleet_context: Fact,
+        evidence: dict[str, Any],
+    ) -> CheckResult:
+        """Every prefill node gated on its own pool against its own context (I4 per node)."""
+        rows: list[dict[str, Any]] = []
+        verdicts: list[Verdict] = []
+        for node in nodes:
+            row: dict[str, Any] = {"node": node.url, **node.to_json()}
+            if node.prefills:
+                own = node.context_length
+                context = _context_fact(ctx, target, own if own.known else fleet_context)
+                res = self._gate(target, node.pool_tokens, context, ctx.headroom, {})
+                row.update(gated=True, verdict=res.verdict.value, detail=res.summary)
+                verdicts.append(res.verdict)
+            else:
+                row.update(gated=False, detail="decode node: its pool is not the reject path's")
+            rows.append(row)
+        evidence["nodes"] = rows
+        prefill = [r for r in rows if r["gated"]]
+        if not prefill:
+            return self.result(
+                target,
+                Verdict.INCONCLUSIVE,
+                f"no prefill node among {len(rows)} workers: the gate cannot pass on decode pools",
+                evidence,
+            )
+        verdict = worst(verdicts)
+        bad = [r for r in prefill if r["verdict"] != Verdict.PASS.value]
+        if not bad:
+            summary = f"all {len(prefill)} prefill nodes hold the context × {ctx.headroom}: " + (
+                "; ".join(f"{r['node']}: {r['detail']}" for r in prefill)
+            )
+        else:
+            summary = "; ".join(f"{r['node']} ({r['role']['value']}): {r['detail']}" for r in bad)
+        return self.result(target, verdict, summary, evidence)
 
 
 def fixes(pool: int, context: int, headroom: float) -> list[str]:

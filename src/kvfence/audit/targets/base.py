@@ -31,6 +31,44 @@ from kvfence.audit.client import ProbeClient, ProbeResponse
 
 
 @dataclass(slots=True)
+class NodeFacts:
+    """One worker of a fleet behind a router, with where each fact came from.
+
+    - `role`: "prefill" | "decode" | "unified" (serves whole requests) or unknown;
+    - `pool_tokens`: its KV pool (smallest rank's) — gated when it prefills;
+    - `context_length`, `max_input`: its own limits; `counters`: its failure counters;
+    - `reached`: whether the node answered directly (else facts came via the router).
+    """
+
+    url: str
+    role: Fact
+    pool_tokens: Fact
+    context_length: Fact = field(default_factory=lambda: Fact.unknown("not read"))
+    max_input: Fact = field(default_factory=lambda: Fact.unknown("not read"))
+    counters: dict[str, Fact] = field(default_factory=dict)
+    extra: dict[str, Fact] = field(default_factory=dict)
+    reached: bool = False
+
+    @property
+    def prefills(self) -> bool:
+        """Whether prompts are written into this node's pool (unknown or mixed: fail closed)."""
+        return self.role.value != "decode"
+
+    def to_json(self) -> dict[str, JSONValue]:
+        out: dict[str, JSONValue] = {
+            "url": self.url,
+            "reached": self.reached,
+            "role": self.role.to_json(),
+            "pool_tokens": self.pool_tokens.to_json(),
+            "context_length": self.context_length.to_json(),
+            "max_input": self.max_input.to_json(),
+        }
+        out["counters"] = {k: v.to_json() for k, v in self.counters.items()}
+        out["extra"] = {k: v.to_json() for k, v in self.extra.items()}
+        return out
+
+
+@dataclass(slots=True)
 class TargetFacts:
     """What the checks need to know about one target; each a `Fact` (maybe unknown).
 
@@ -46,7 +84,10 @@ class TargetFacts:
       "calibrated from usage.prompt_tokens".
     - `model`: the model id to send in requests.
     - `counters`: isolation / transfer / outcome counters at read time.
-    - `extra`: anything else worth showing (disaggregation mode, lab profile…).
+    - `extra`: anything else worth showing (disaggregation mode, lab profile…);
+      `extra["pd_role"]` is the node's live P/D role where the engine says it.
+    - `nodes`: for a fleet behind a router, one `NodeFacts` per worker (the
+      capacity gate then gates every prefill node; empty for one engine).
     """
 
     engine: Fact
@@ -60,6 +101,7 @@ class TargetFacts:
     tokenizer: Fact = field(default_factory=lambda: Fact.unknown("not read"))
     counters: dict[str, Fact] = field(default_factory=dict)
     extra: dict[str, Fact] = field(default_factory=dict)
+    nodes: list[NodeFacts] = field(default_factory=list)
 
     def input_limit(self, context_override: int | None = None) -> Fact:
         """The longest accepted prompt: the override, else max_input, else context_length."""
@@ -86,6 +128,13 @@ class TargetFacts:
         }
         out["counters"] = {k: v.to_json() for k, v in self.counters.items()}
         out["extra"] = {k: v.to_json() for k, v in self.extra.items()}
+        if self.nodes:
+            # Flat "url fact" keys: a report renders them as rows like any other fact.
+            out["nodes"] = {
+                f"{n.url} {name}": getattr(n, name).to_json()
+                for n in self.nodes
+                for name in ("role", "pool_tokens", "context_length")
+            }
         return out
 
 

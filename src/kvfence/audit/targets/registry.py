@@ -1,7 +1,7 @@
 """The adapter registry and `--engine auto` detection.
 
-Detection asks the most specific engines first (kvfence, SGLang, llama.cpp,
-TGI, vLLM) and falls back to the generic OpenAI adapter; it always says how
+Detection asks the most specific engines first (kvfence, the routers
+sglang-router and vllm-router, SGLang, llama.cpp, TGI, vLLM) and falls back to the generic OpenAI adapter; it always says how
 it identified the engine. It uses the same bounded client, so its GETs count
 against the budget like every other request.
 """
@@ -16,13 +16,18 @@ from kvfence.audit.targets.base import Endpoints, Target
 from kvfence.audit.targets.kvfence import KvfenceTarget
 from kvfence.audit.targets.llamacpp import LlamacppTarget
 from kvfence.audit.targets.openai import OpenAITarget
+from kvfence.audit.targets.routers import SglangRouterTarget, VllmRouterTarget
 from kvfence.audit.targets.sglang import SglangTarget
 from kvfence.audit.targets.tgi import TgiTarget
 from kvfence.audit.targets.vllm import VllmTarget
 
 # Detection order: most specific first, the generic fallback last.
+# Routers before engines: a vllm-router forwards /get_server_info and /v1/models to its
+# first prefill worker, so an engine adapter would take the whole fleet for that one node.
 DETECTION_ORDER: tuple[type[Target], ...] = (
     KvfenceTarget,
+    SglangRouterTarget,
+    VllmRouterTarget,
     SglangTarget,
     LlamacppTarget,
     TgiTarget,

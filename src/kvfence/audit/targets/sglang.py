@@ -1,16 +1,21 @@
-"""SGLang: `/server_info` (newer) or `/get_server_info` (older), `/v1/models`, `/metrics`.
+"""SGLang worker: `/server_info` (0.5.x) or `/get_server_info` (0.4.x), `/v1/models`, `/metrics`.
 
-Shapes (from SGLang's http_server: the response is the ServerArgs dataclass,
-merged with the scheduler's start-up info, plus `internal_states` per DP
-rank and `version`):
-- `max_total_num_tokens` — the KV pool in tokens (scheduler info; also in
-  `internal_states[i]` and the gauge `sglang:max_total_num_tokens`);
-- `max_req_input_len` — the longest prompt the scheduler admits;
-- server args: `context_length` (None unless set), `page_size`,
-  `disable_radix_cache`, `disaggregation_mode` ("null" | "prefill" | "decode"),
-  `dp_size`, `served_model_name`.
-PD counters (Prometheus): `sglang:num_transfer_failed_reqs_total`,
-`sglang:num_bootstrap_failed_reqs_total` (older releases: no `_total`).
+The shapes and rules are in `sglang_shapes` (read from 0.5.23's and 0.4.6's
+source). What this adapter adds on top:
+
+- the pool is the smallest rank's, never the top level's (rank 0's);
+- the live P/D role (`extra["pd_role"]`): a decode node's pool is not where
+  the reject path fires, so the capacity gate never passes on one alone;
+- failure counters on every role — transfer and bootstrap failures count on
+  decode too (a KV checksum mismatch aborts with 500 there) — and whether
+  SGLang checks transfer integrity at all (`disaggregation_enable_kv_checksum`,
+  default false); `/metrics` exists only with `--enable-metrics`, so a P/D
+  node without it has *unreadable* counters (inconclusive), not none;
+- decode nodes cache prefixes by `disaggregation_decode_enable_radix_cache`,
+  not `disable_radix_cache`; `cache_salt` is a body field of `/generate` and
+  the OpenAI routes in 0.5.23; a client's `bootstrap_room` passes unchanged.
+- a router (`sglang-router`) answers `/get_server_info` with
+  `router_manager`: that is `targets.routers`, never this adapter.
 """
 
 from __future__ import annotations
@@ -29,17 +34,24 @@ from kvfence.audit.targets.base import (
     samples_named,
     tokenizer_fact,
 )
+from kvfence.audit.targets.sglang_shapes import (
+    NEW_TOKENIZER_RULE,
+    max_input_fact,
+    pool_fact,
+    pool_from_metrics,
+    role_fact,
+    version_tuple,
+)
 
 INFO_PATHS = ("/server_info", "/get_server_info")
 PD_COUNTERS = (
     "sglang:num_transfer_failed_reqs_total",
     "sglang:num_bootstrap_failed_reqs_total",
-    "sglang:num_transfer_failed_reqs",
-    "sglang:num_bootstrap_failed_reqs",
 )
+PD_ROLES = ("prefill", "decode", "mixed")
 
 
-def _server_info(ep: Endpoints) -> tuple[dict[str, Any] | None, str]:
+def server_info(ep: Endpoints) -> tuple[dict[str, Any] | None, str]:
     for path in INFO_PATHS:
         info = ep.json(path)
         if info is not None:
@@ -47,112 +59,112 @@ def _server_info(ep: Endpoints) -> tuple[dict[str, Any] | None, str]:
     return None, " or ".join(INFO_PATHS)
 
 
+def is_router_info(info: dict[str, Any] | None) -> bool:
+    return info is not None and "router_manager" in info
+
+
+def counters_from(samples: list[Sample] | None, role: Fact, source: str) -> dict[str, Fact]:
+    """The PD failure counters (summed over ranks); unknown where a P/D node exports none."""
+    out: dict[str, Fact] = {}
+    pd = role.value in PD_ROLES
+    for name in PD_COUNTERS:
+        found = samples_named(samples or [], name)
+        if found:
+            out[name] = Fact(int(sum(s.value for s in found)), f"{source} {name}")
+        elif pd:
+            why = "not answered (SGLang serves /metrics only with --enable-metrics)"
+            out[name] = Fact.unknown(
+                f"{source} {name}", why if samples is None else "absent from /metrics"
+            )
+    return out
+
+
 class SglangTarget(Target):
     engine: ClassVar[str] = "sglang"
 
     @classmethod
     def identify(cls, endpoints: Endpoints) -> str | None:
-        info, path = _server_info(endpoints)
-        if info is None or info.get("engine") == "kvfence":
+        info, path = server_info(endpoints)
+        if info is None or info.get("engine") == "kvfence" or is_router_info(info):
             return None
-        if "max_total_num_tokens" in info and (
-            "internal_states" in info or "disaggregation_mode" in info or "model_path" in info
+        if "internal_states" in info or (
+            "max_total_num_tokens" in info
+            and ("disaggregation_mode" in info or "model_path" in info)
         ):
-            return f"GET {path} has SGLang's shape (server args + max_total_num_tokens)"
+            return f"GET {path} has SGLang's shape (server args + scheduler info)"
         return None
 
     def read_facts(self, client: ProbeClient) -> TargetFacts:
         ep = Endpoints(client)
-        info, path = _server_info(ep)
+        info, path = server_info(ep)
         model, entry = models_fact(ep)
         facts = TargetFacts(engine=Fact("sglang", f"GET {path}"), model=model)
         samples = ep.metrics()
+        facts.context_length = self._context(info, path, entry)
+        role = role_fact(info, path, samples)
+        facts.extra["pd_role"] = role
         if info is None:
-            facts.pool_tokens = self._pool_from_metrics(samples) or Fact.unknown(
+            facts.pool_tokens = pool_from_metrics(samples) or Fact.unknown(
                 path, "no server info endpoint answered, no sglang:max_total_num_tokens"
             )
         else:
-            facts.pool_tokens = self._pool(info, path, samples)
-            v, _ = json_int(info, "max_req_input_len")
-            if v is None:
-                v = _first_internal(info, "max_req_input_len")
-            facts.max_input = (
-                Fact(v, f"GET {path} max_req_input_len")
-                if v is not None
-                else Fact.unknown(f"GET {path} max_req_input_len", "absent")
-            )
-            ps, _ = json_int(info, "page_size")
-            facts.page_size = Fact(ps, f"GET {path} page_size") if ps else Fact.unknown(path)
-            drc = info.get("disable_radix_cache")
-            if isinstance(drc, bool):
-                facts.prefix_caching = Fact(
-                    not drc, f"GET {path} disable_radix_cache", f"disable_radix_cache={drc}"
-                )
-            mode = info.get("disaggregation_mode")
-            if isinstance(mode, str):
-                facts.extra["disaggregation_mode"] = Fact(mode, f"GET {path} disaggregation_mode")
-            dp, _ = json_int(info, "dp_size")
-            if dp is not None:
-                facts.extra["dp_size"] = Fact(dp, f"GET {path} dp_size")
-            if isinstance(info.get("version"), str):
-                facts.extra["version"] = Fact(info["version"], f"GET {path} version")
-        facts.context_length = self._context(info, path, entry)
-        ctx_len, mri = facts.context_length.as_int(), facts.max_input.as_int()
-        if ctx_len is not None and (mri is None or ctx_len - 2 < mri):
-            # SGLang rejects input + max_new_tokens >= context_len: with max_tokens=1 the
-            # longest prompt is context_len - 2.
-            facts.max_input = Fact(
-                ctx_len - 2,
-                f"{facts.context_length.source} - 2",
-                "SGLang rejects input + max_new_tokens >= context_len",
-            )
-        if info is not None and isinstance(info.get("allow_auto_truncate"), bool):
-            facts.extra["allow_auto_truncate"] = Fact(
-                info["allow_auto_truncate"],
-                f"GET {path} allow_auto_truncate",
-                "when true, over-long prompts are truncated and answered 200",
-            )
-        facts.cache_salt_supported = Fact.unknown(
-            "SGLang API", "not advertised over HTTP; the prefix-sharing check probes it"
-        )
+            self._info_facts(facts, info, path, samples, role)
         facts.tokenizer = tokenizer_fact(client)
-        facts.counters = self._counters(samples)
+        facts.counters = counters_from(samples, role, "GET /metrics")
         return facts
 
-    def _pool(self, info: dict[str, Any], path: str, samples: list[Sample] | None) -> Fact:
-        top, _ = json_int(info, "max_total_num_tokens")
-        per_rank = [
-            v
-            for st in _internal_states(info)
-            if (v := json_int(st, "max_total_num_tokens")[0]) is not None
-        ]
-        if per_rank:
-            # A request lands on one DP rank: the gate needs the smallest rank pool.
-            low = min(per_rank)
-            if top is not None and top != low:
-                return Fact(
-                    min(top, low),
-                    f"GET {path} max_total_num_tokens / internal_states[*].max_total_num_tokens",
-                    f"top-level {top} vs per-rank min {low}: the smaller is used",
-                )
-            return Fact(
-                low, f"GET {path} internal_states[*].max_total_num_tokens (min over DP ranks)"
-            )
-        if top is not None:
-            return Fact(top, f"GET {path} max_total_num_tokens")
-        return self._pool_from_metrics(samples) or Fact.unknown(
-            f"GET {path} max_total_num_tokens", "absent (field names vary by SGLang version)"
+    def _info_facts(
+        self,
+        facts: TargetFacts,
+        info: dict[str, Any],
+        path: str,
+        samples: list[Sample] | None,
+        role: Fact,
+    ) -> None:
+        version = version_tuple(info)
+        facts.pool_tokens = pool_fact(info, path, samples)
+        facts.max_input = max_input_fact(
+            info, path, facts.context_length, facts.pool_tokens, version
         )
+        ps, _ = json_int(info, "page_size")
+        facts.page_size = Fact(ps, f"GET {path} page_size") if ps else Fact.unknown(path)
+        facts.prefix_caching = self._prefix_caching(info, path, role)
+        for key in ("disaggregation_mode", "dp_size", "attn_dp_size", "version"):
+            v = info.get(key)
+            if isinstance(v, str | int) and not isinstance(v, bool):
+                facts.extra[key] = Fact(v, f"GET {path} {key}")
+        for key, note in (
+            ("allow_auto_truncate", "when true, over-long prompts are truncated and answered 200"),
+            (
+                "disaggregation_enable_kv_checksum",
+                "whether decode verifies each transfer's KV checksum (false: nothing checks it)",
+            ),
+        ):
+            if isinstance(info.get(key), bool):
+                facts.extra[key] = Fact(info[key], f"GET {path} {key}", note)
+        if version is not None and version >= NEW_TOKENIZER_RULE:
+            facts.cache_salt_supported = Fact(
+                True,
+                "SGLang 0.5.23 API (cache_salt body field of /generate and the OpenAI routes)",
+                "the prefix-sharing check verifies it",
+            )
+        else:
+            facts.cache_salt_supported = Fact.unknown(
+                "SGLang API", "not advertised over HTTP; the prefix-sharing check probes it"
+            )
 
     @staticmethod
-    def _pool_from_metrics(samples: list[Sample] | None) -> Fact | None:
-        found = samples_named(samples or [], "sglang:max_total_num_tokens")
-        if not found:
-            return None
-        return Fact(
-            int(min(s.value for s in found)),
-            "GET /metrics sglang:max_total_num_tokens (min over label sets)",
-        )
+    def _prefix_caching(info: dict[str, Any], path: str, role: Fact) -> Fact:
+        if role.value == "decode":
+            key = "disaggregation_decode_enable_radix_cache"
+            v = info.get(key)
+            if isinstance(v, bool):
+                return Fact(v, f"GET {path} {key}", "decode nodes cache by this flag")
+            return Fact.unknown(f"GET {path} {key}", "absent")
+        drc = info.get("disable_radix_cache")
+        if isinstance(drc, bool):
+            return Fact(not drc, f"GET {path} disable_radix_cache", f"disable_radix_cache={drc}")
+        return Fact.unknown(f"GET {path} disable_radix_cache", "absent")
 
     @staticmethod
     def _context(info: dict[str, Any] | None, path: str, entry: dict[str, Any] | None) -> Fact:
@@ -169,30 +181,12 @@ class SglangTarget(Target):
         )
 
     def read_counters(self, client: ProbeClient) -> dict[str, Fact]:
-        return self._counters(Endpoints(client).metrics())
-
-    @staticmethod
-    def _counters(samples: list[Sample] | None) -> dict[str, Fact]:
-        out: dict[str, Fact] = {}
-        for name in PD_COUNTERS:
-            found = samples_named(samples or [], name)
-            if found:
-                out[name] = Fact(int(sum(s.value for s in found)), f"GET /metrics {name}")
-        return out
-
-
-def _internal_states(info: dict[str, Any]) -> list[dict[str, Any]]:
-    st = info.get("internal_states")
-    if isinstance(st, dict):
-        return [st]
-    if isinstance(st, list):
-        return [s for s in st if isinstance(s, dict)]
-    return []
-
-
-def _first_internal(info: dict[str, Any], key: str) -> int | None:
-    for st in _internal_states(info):
-        v, _ = json_int(st, key)
-        if v is not None:
-            return v
-    return None
+        ep = Endpoints(client)
+        samples = ep.metrics()
+        role = (
+            self._facts.extra.get("pd_role", Fact.unknown("")) if self._facts else Fact.unknown("")
+        )
+        if not role.known:
+            info, path = server_info(ep)
+            role = role_fact(info, path, samples)
+        return counters_from(samples, role, "GET /metrics")
