@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvfence.engine.config import EngineConfig
+from kvfence.engine.counters import Counters
 from kvfence.engine.messages import (
     Bootstrap,
     BootstrapReady,
@@ -102,18 +103,6 @@ class DecodeOutput:
         return bool(self.ready or self.events)
 
 
-@dataclass(slots=True)
-class DecodeCounters:
-    finished: int = 0
-    failed: int = 0
-    aborted: int = 0
-    rejected: int = 0
-    generation_tokens: int = 0
-    transfer_mismatches: int = 0
-    isolation_violations: int = 0
-    preempted: int = 0  # rows failed because the pool could not grow any row
-
-
 @dataclass(slots=True, eq=False)
 class _Seq:
     req: Request
@@ -153,7 +142,7 @@ class DecodeEngine:
         self.queued: deque[_Seq] = deque()  # bootstraps waiting for pages
         self.seqs: dict[str, _Seq] = {}
         self.running: list[_Seq] = []  # DECODING, in admission order
-        self.counters = DecodeCounters()
+        self.counters = Counters()
         self._out = DecodeOutput()
 
     # ---- bootstrap ----------------------------------------------------------------------

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvfence.engine.config import EngineConfig
+from kvfence.engine.counters import Counters
 from kvfence.engine.messages import (
     Abort,
     ErrorInfo,
@@ -90,16 +91,6 @@ class PrefillOutput:
         return bool(self.to_router or self.to_decode or self.transfers)
 
 
-@dataclass(slots=True)
-class PrefillCounters:
-    rejected: int = 0
-    aborted: int = 0
-    failed: int = 0
-    transferred: int = 0
-    computed_tokens: int = 0
-    isolation_violations: int = 0
-
-
 @dataclass(slots=True, eq=False)
 class _Seq:
     req: Request
@@ -147,7 +138,7 @@ class PrefillEngine:
         self.running: list[_Seq] = []  # PREFILLING, holding pages
         self.sending: dict[str, _Seq] = {}  # handed to the transport, pages held until confirmed
         self.seqs: dict[str, _Seq] = {}
-        self.counters = PrefillCounters()
+        self.counters = Counters()
         self._out = PrefillOutput()
 
     # ---- inputs -------------------------------------------------------------------------

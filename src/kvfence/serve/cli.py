@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 import torch
 
+from kvfence.engine.config import EngineConfig, default_of
 from kvfence.engine.sizing import DEFAULT_HEADROOM, CapacityGateError
 from kvfence.faults import FaultSet
 from kvfence.kv.pool import ScrubPolicy
@@ -24,8 +25,9 @@ from kvfence.model.loader import MODEL_KINDS
 from kvfence.model.tiny import default_checkpoint_dir
 from kvfence.serve.app import create_app
 from kvfence.serve.build import PoolSizes, build_local
-from kvfence.serve.config import decide_capacity
+from kvfence.serve.config import ServeConfig, decide_capacity
 from kvfence.serve.pd.cli import pd_main
+from kvfence.serve.pd.workers import CROSS_PROCESS, WorkerSpec
 from kvfence.serve.tenants import TenantFileError, TenantRegistry
 from kvfence.serve.thread import bind, serve_forever, url_of
 
@@ -88,7 +90,12 @@ def _is_loopback(host: str) -> bool:
 @click.option(
     "--kv-bytes", default=None, help="KV bytes per role: N, or prefill=N,decode=M [64 MiB each]"
 )
-@click.option("--page-size", type=click.IntRange(1), default=16, show_default=True)
+@click.option(
+    "--page-size",
+    type=click.IntRange(1),
+    default=default_of(EngineConfig, "page_size"),
+    show_default=True,
+)
 @click.option(
     "--scrub",
     type=click.Choice([p.value for p in ScrubPolicy]),
@@ -113,7 +120,12 @@ def _is_loopback(host: str) -> bool:
     multiple=True,
     help="incident lab: switch a defence off (repeatable; listed in /server_info)",
 )
-@click.option("--default-max-tokens", type=click.IntRange(1), default=16, show_default=True)
+@click.option(
+    "--default-max-tokens",
+    type=click.IntRange(1),
+    default=default_of(ServeConfig, "default_max_tokens"),
+    show_default=True,
+)
 @click.option("--log-level", default="warning", show_default=True)
 @click.option(
     "--disaggregated",
@@ -124,8 +136,8 @@ def _is_loopback(host: str) -> bool:
 @click.option("--decode", "n_decode", type=click.IntRange(1), default=1, show_default=True)
 @click.option(
     "--transport",
-    type=click.Choice(["tcp", "shm"]),
-    default="tcp",
+    type=click.Choice(CROSS_PROCESS),
+    default=default_of(WorkerSpec, "transport"),
     show_default=True,
     help="KV transport between prefill and decode processes",
 )
@@ -139,7 +151,12 @@ def _is_loopback(host: str) -> bool:
 @click.option("--router-addr", default=None, help="workers: the router's control address")
 @click.option("--prefill-addr", multiple=True, help="router: a prefill worker's control address")
 @click.option("--decode-addr", multiple=True, help="router: a decode worker's control address")
-@click.option("--kv-host", default="127.0.0.1", show_default=True, help="decode: KV listen address")
+@click.option(
+    "--kv-host",
+    default=default_of(WorkerSpec, "kv_host"),
+    show_default=True,
+    help="decode: KV listen address",
+)
 @click.option(
     "--torch-threads",
     type=click.IntRange(0),

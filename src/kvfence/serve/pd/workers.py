@@ -17,6 +17,7 @@ error (I6) instead of killing the worker silently.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import time
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from kvfence.engine.config import EngineConfig
+from kvfence.engine.config import EngineConfig, default_of
+from kvfence.engine.counters import Counters
 from kvfence.engine.decode import DecodeEngine
 from kvfence.engine.kvlink import apply_transfer_events
 from kvfence.engine.messages import (
@@ -45,10 +47,13 @@ from kvfence.model.loader import LoadedModel, load_model
 from kvfence.serve.build import PoolSizes
 from kvfence.serve.channel import Inbox, Outbox
 from kvfence.serve.transfer.base import KVSender, TransferRefused, TransportClosed
-from kvfence.serve.transfer.registry import get_transport
+from kvfence.serve.transfer.inprocess import InProcessTransport
+from kvfence.serve.transfer.registry import get_transport, transport_names
 
 log = logging.getLogger(__name__)
 
+# Every registered transport but the in-process one can join two processes.
+CROSS_PROCESS = tuple(n for n in transport_names() if n != InProcessTransport.name)
 STATUS_INTERVAL_S = 0.5
 IDLE_POLL_MS = 20
 
@@ -64,7 +69,7 @@ class WorkerSpec:
     router: str  # the router's control inbox
     pages: int | None = None  # this role's KV pool in pages, or
     kv_bytes: int | None = None  # a byte budget (whole pages, rounded down); default 64 MiB
-    page_size: int = 16
+    page_size: int = default_of(EngineConfig, "page_size")
     context_length: int | None = None
     scrub: str = ScrubPolicy.NONE.value
     prefix_cache: bool = True
@@ -76,8 +81,11 @@ class WorkerSpec:
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"a worker role is 'prefill' or 'decode', got {self.role!r}")
-        if self.transport not in ("tcp", "shm"):
-            raise ValueError(f"a cross-process transport is 'tcp' or 'shm', got {self.transport!r}")
+        if self.transport not in CROSS_PROCESS:
+            raise ValueError(
+                f"a cross-process transport is one of {', '.join(CROSS_PROCESS)}, "
+                f"got {self.transport!r}"
+            )
 
 
 def role_pages(spec: WorkerSpec, loaded: LoadedModel) -> int:
@@ -132,7 +140,7 @@ def _status(
     pool: KVPool,
     busy: bool,
     outstanding: Callable[[], list[PageHandle]],
-    **counters: int,
+    counters: Counters,
 ) -> WorkerStatus:
     return WorkerStatus(
         role=role,
@@ -145,7 +153,7 @@ def _status(
         pages_pending=pool.num_pending,
         integrity=_integrity(pool, busy, outstanding),
         refused_messages=inbox.refused.count,
-        **counters,
+        counters=counters,
     )
 
 
@@ -170,14 +178,15 @@ def run_prefill(spec: WorkerSpec) -> int:
     stop = _Stop()
 
     def status() -> WorkerStatus:
-        c, cache = engine.counters, engine.cache
+        cache = engine.cache
+        counters = dataclasses.replace(
+            engine.counters,
+            prefix_cache_queried_tokens=cache.queried_tokens,
+            prefix_cache_hit_tokens=cache.hit_tokens,
+            transfer_failures=transfer_failures,
+        )
         busy = engine.has_work or bool(dest_of)
-        return _status(
-            "prefill", inbox, "", pool, busy, engine.outstanding_handles,
-            rejected=c.rejected, aborted=c.aborted, failed=c.failed,
-            prefix_cache_queried_tokens=cache.queried_tokens, prefix_cache_hit_tokens=cache.hit_tokens,
-            isolation_violations=c.isolation_violations, transfer_failures=transfer_failures,
-        )  # fmt: skip
+        return _status("prefill", inbox, "", pool, busy, engine.outstanding_handles, counters)
 
     def send_kv(t: OutboundTransfer) -> bool:
         addr = dest_of.pop(t.room, "")
@@ -253,14 +262,11 @@ def run_decode(spec: WorkerSpec) -> int:
     transfer_failures = 0
 
     def status() -> WorkerStatus:
-        c = engine.counters
+        counters = dataclasses.replace(engine.counters, transfer_failures=transfer_failures)
         busy = engine.has_work or bool(engine.seqs)
         return _status(
-            "decode", inbox, receiver.address, pool, busy, engine.outstanding_handles,
-            finished=c.finished, rejected=c.rejected, aborted=c.aborted, failed=c.failed,
-            generation_tokens=c.generation_tokens, isolation_violations=c.isolation_violations,
-            transfer_mismatches=c.transfer_mismatches, transfer_failures=transfer_failures,
-        )  # fmt: skip
+            "decode", inbox, receiver.address, pool, busy, engine.outstanding_handles, counters
+        )
 
     last_status = 0.0
     try:
