@@ -36,11 +36,14 @@ class WorkerSpec:
     bootstrap_port: int | None = None
     counters: dict[str, float] = field(default_factory=dict)
     enable_metrics: bool = True
+    # how a request picks its DP rank: "round_robin", or "most_free" (SGLang's
+    # minimum-tokens balancing on an idle node: the rank with the largest pool)
+    dp_balance: str = "round_robin"
 
 
-def max_req_input_len(spec: WorkerSpec) -> int:
-    """0.5.23 tp_worker: min(context_len - 1, kv_capacity - 1) - 5, from rank 0 (infos[0])."""
-    return min(spec.context_len - 1, spec.capacities[0] - 1) - 5
+def max_req_input_len(spec: WorkerSpec, rank: int = 0) -> int:
+    """0.5.23 tp_worker: min(context_len - 1, kv_capacity - 1) - 5, per rank (reported: rank 0's)."""
+    return min(spec.context_len - 1, spec.capacities[rank] - 1) - 5
 
 
 def server_info(spec: WorkerSpec) -> dict[str, Any]:
@@ -121,12 +124,12 @@ def metrics(spec: WorkerSpec) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _reject(spec: WorkerSpec, n: int, max_new: int) -> str | None:
+def _reject(spec: WorkerSpec, n: int, max_new: int, rank: int) -> str | None:
     if n >= spec.context_len:
         return f"The input ({n} tokens) is longer than the model's context length"
     if n + max_new > spec.context_len:
         return "Requested token count exceeds the model's maximum context length"
-    if n >= max_req_input_len(spec):
+    if n >= max_req_input_len(spec, rank):  # the scheduler of the rank the request landed on
         return f"Input length ({n} tokens) exceeds the maximum allowed length"
     return None
 
@@ -137,6 +140,7 @@ class SglangWorker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self.seen: list[str] = []
+        self.requests = 0
         self.hide_info = False  # True: /server_info answers 404 (an unreadable node)
         self.on_post: Callable[[str, dict[str, Any]], None] | None = None  # test hook
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -193,7 +197,14 @@ class SglangWorker:
         max_new = int(
             body.get("max_tokens", (body.get("sampling_params") or {}).get("max_new_tokens", 16))
         )
-        why = _reject(self.spec, n, max_new)
+        self.requests += 1
+        caps = self.spec.capacities
+        rank = (
+            caps.index(max(caps))
+            if self.spec.dp_balance == "most_free"
+            else self.requests % len(caps)
+        )
+        why = _reject(self.spec, n, max_new, rank)
         if why is not None:
             err = {"object": "error", "message": why, "type": "BadRequestError", "code": 400}
             return 400, json.dumps(err), "application/json"

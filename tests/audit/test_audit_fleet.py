@@ -24,6 +24,9 @@ import pytest
 from click.testing import CliRunner
 from sglang_worker import SglangWorker, WorkerSpec
 
+from kvfence.audit.base import AuditContext, Verdict, run_check
+from kvfence.audit.capacity import CapacityCheck
+from kvfence.audit.targets.registry import detect
 from kvfence.cli import main
 
 pytestmark = pytest.mark.slow
@@ -62,6 +65,8 @@ def fleet(specs: list[WorkerSpec], log: Path) -> Iterator[tuple[str, list[Sglang
         else:
             cmd += ["--decode", w.url]
     cmd += ["--host", "127.0.0.1", "--port", str(port)]
+    # its Prometheus exporter binds a fixed default port otherwise: parallel runs collide
+    cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -147,6 +152,8 @@ def test_one_short_prefill_node_fails_capacity_and_is_named(model_dir: str, tmp_
     assert nodes[workers[2].url]["gated"] is False  # decode: reported, not gated
     assert nodes[workers[2].url]["role"]["value"] == "decode"
     assert probes  # the boundary rungs went through the router to the workers
+    # the nodes' limits differ (4,089 vs 2,993): no false alarm from a prompt in between
+    assert verdicts(rep)["boundary"]["verdict"] == "pass", verdicts(rep)["boundary"]["summary"]
 
 
 def test_every_prefill_pool_large_passes(model_dir: str, tmp_path: Path) -> None:
@@ -206,3 +213,30 @@ def test_a_node_without_server_info_is_gated_from_the_routers_engine_metrics(
     assert "/engine_metrics" in node["pool_tokens"]["source"]
     assert cap["verdict"] == "fail" and workers[1].url in cap["summary"]
     assert code == 1
+
+
+def test_a_fleet_of_decode_nodes_only_is_never_a_capacity_pass(replay: Any, model_dir: str) -> None:
+    """The router's shapes as seen live above, replayed, with one decode worker behind it."""
+    decode = SglangWorker(WorkerSpec("decode", [LARGE * 4], CONTEXT, model_dir))
+    try:
+        replay.json(
+            "/get_server_info", {"router_manager": True, "routers_count": 1, "workers_count": 1}
+        )
+        row = {
+            "url": decode.url,
+            "worker_type": "decode",
+            "metadata": {"disaggregation_mode": "decode"},
+        }
+        replay.json("/workers", {"workers": [row], "total": 1})
+        replay.json(
+            "/v1/models", {"object": "list", "data": [{"id": model_dir, "owned_by": "local"}]}
+        )
+        ctx = AuditContext()
+        with ctx.open():
+            target = detect(replay.url, ctx.client_for_url(replay.url))
+            res = run_check(CapacityCheck(), ctx, target)
+    finally:
+        decode.close()
+    assert target.engine == "sglang-router"
+    assert res.verdict is Verdict.INCONCLUSIVE
+    assert "no prefill node" in res.summary

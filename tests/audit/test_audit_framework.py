@@ -72,7 +72,7 @@ def test_capacity_is_inconclusive_when_the_pool_is_unknown(replay: ReplayServer)
 
 
 def test_capacity_with_context_override(replay: ReplayServer) -> None:
-    replay.file("/info", "tgi_info.json")  # max_batch_total_tokens 37872
+    replay.file("/info", "tgi/2.2.0.info.json")  # max_batch_total_tokens 37872
     from kvfence.audit.targets.tgi import TgiTarget
 
     for context, want in ((30000, Verdict.PASS), (31000, Verdict.FAIL)):

@@ -219,3 +219,24 @@ def test_boundary_on_a_0_5_23_shaped_server_is_decisive(enforces: bool, tmp_path
     else:
         assert res.verdict is Verdict.FAIL
         assert rungs["limit + 1"]["verdict"] == "fail"
+
+
+def test_boundary_with_unequal_dp_ranks_is_no_false_alarm(tmp_path: Any) -> None:
+    """Rank 1 takes up to 4,089 tokens, rank 0 up to 2,993: a prompt in between is legitimately
+    taken by rank 1. The reject rung sits above every rank's limit, "at limit" below all."""
+    spec = WorkerSpec("prefill", [3000, 8192], 4096, str(tmp_path), dp_balance="most_free")
+    worker = SglangWorker(spec)
+    try:
+        ctx = AuditContext(budget=Budget(max_requests=60))
+        target = SglangTarget(worker.url)
+        with ctx.open():
+            facts = target.facts(ctx.client(target, "a"))
+            res = run_check(BoundaryCheck(), ctx, target)
+    finally:
+        worker.close()
+    assert res.verdict is Verdict.PASS, res.summary  # with one limit + 1 rung: a false FAIL
+    assert facts.max_input.value == 3000 - 7
+    assert facts.extra["max_input_most"].value == 4096 - 7
+    rungs = {r["rung"]: r for r in res.evidence["rungs"]}
+    assert rungs["at limit"]["tokens"] == 2993
+    assert rungs["above every limit"]["tokens"] == 4090

@@ -33,6 +33,7 @@ from kvfence.audit.prompts import Prompt, PromptMaker
 from kvfence.audit.targets.base import Target, TargetFacts
 
 ECHO_TOKENS = 8  # output length for in-pool rungs: long enough to see a foreign read
+MOST_KEY = "max_input_most"  # TargetFacts.extra: the longest limit any rank / node applies
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +121,10 @@ class BoundaryCheck(Check):
             return self.result(
                 target, Verdict.INCONCLUSIVE, f"input limit unknown ({limit.source})", evidence
             )
-        rungs = ladder(lim, facts)
+        most = facts.extra.get(MOST_KEY) if ctx.context_override is None else None
+        if most is not None:
+            evidence["limit_most"] = most.to_json()
+        rungs = ladder(lim, facts, most.as_int() if most is not None else None)
         maker = PromptMaker(client, ctx.rng, use_tokenize=facts.tokenizer.value == "/tokenize")
         mirror = is_mirror(facts)
         rows: list[dict[str, Any]] = []
@@ -187,15 +191,23 @@ class BoundaryCheck(Check):
         return verdict, row
 
 
-def ladder(limit: int, facts: TargetFacts) -> list[Rung]:
-    """The rungs for an input limit (longest prompt accepted with max_tokens=1) and the pool."""
+def ladder(limit: int, facts: TargetFacts, most: int | None = None) -> list[Rung]:
+    """The rungs for an input limit (longest prompt accepted with max_tokens=1) and the pool.
+
+    `most`: where ranks or nodes apply different limits (SGLang DP ranks, a
+    fleet's prefill nodes), the longest any of them accepts. "at limit" must
+    pass everywhere (the smallest limit) and the reject rung must be rejected
+    everywhere, so it sits above the largest — a prompt between the two may
+    land on a node that legitimately takes it.
+    """
+    over = max(limit, most or limit) + 1
     rungs = [
         Rung("control", min(64, max(1, limit // 4)), ECHO_TOKENS, "accept"),
         Rung("at limit", limit, 1, "accept"),
-        Rung("limit + 1", limit + 1, 1, "reject"),
+        Rung("limit + 1" if over == limit + 1 else "above every limit", over, 1, "reject"),
     ]
     context = facts.context_length.as_int()
-    if context is not None and context + 1 > limit + 1:
+    if context is not None and context + 1 > over:
         rungs.append(Rung("context + 1", context + 1, 1, "reject"))
     pool = facts.pool_tokens.as_int()
     if pool is not None and pool < limit:

@@ -3,6 +3,12 @@
 `pool_tokens >= context × headroom`, with both numbers read from the running
 engine (or the context from `--context`). An unknown pool or context is
 INCONCLUSIVE — a gate that cannot read the pool must block, not pass.
+
+- A fleet behind a router (`facts.nodes`): every prefill node is gated on its
+  own pool; the verdict is the worst, and a failure names the node.
+- A decode node alone is never a pass: its pool is not the reject path's.
+- A start-up guarantee (`extra["pool_guarantee_tokens"]`, TGI 3.x) stands in
+  for an unreported pool only at headroom 1.0 — it promises one request.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ import math
 from typing import Any
 
 from kvfence.audit.base import AuditContext, Check, CheckResult, Fact, Verdict, worst
-from kvfence.audit.targets.base import NodeFacts, Target
+from kvfence.audit.targets.base import NodeFacts, Target, TargetFacts
 
 
 def _context_fact(ctx: AuditContext, target: Target, facts_context: Fact) -> Fact:
@@ -38,18 +44,45 @@ class CapacityCheck(Check):
         }
         if facts.nodes:
             return self._fleet(ctx, target, facts.nodes, facts.context_length, evidence)
-        role = facts.extra.get("pd_role")
-        if role is not None and role.value == "decode":
-            evidence["pd_role"] = role.to_json()
-            return self.result(
-                target,
-                Verdict.INCONCLUSIVE,
-                f"decode node ({role.source}): prompts are written into the prefill nodes' "
-                "pools, where the reject path fires, so a decode pool proves nothing about the "
-                "fleet — audit the router URL or every prefill node",
-                evidence,
-            )
+        if (decode := self._decode_only(target, facts, evidence)) is not None:
+            return decode
+        guarantee = facts.extra.get("pool_guarantee_tokens")
+        if not pool.known and guarantee is not None:
+            if ctx.headroom != 1.0:
+                return self._only_guaranteed(target, guarantee, ctx.headroom, evidence)
+            pool = guarantee  # at headroom 1.0 the start-up guarantee is the whole claim
+            evidence["pool_tokens"] = pool.to_json()
         return self._gate(target, pool, context, ctx.headroom, evidence)
+
+    def _decode_only(
+        self, target: Target, facts: TargetFacts, evidence: dict[str, Any]
+    ) -> CheckResult | None:
+        """A decode node's pool is not where the reject path fires (I4 is a prefill property)."""
+        role = facts.extra.get("pd_role")
+        if role is None or role.value != "decode":
+            return None
+        evidence["pd_role"] = role.to_json()
+        return self.result(
+            target,
+            Verdict.INCONCLUSIVE,
+            f"decode node ({role.source}): prompts are written into the prefill nodes' "
+            "pools, where the reject path fires, so a decode pool proves nothing about the "
+            "fleet — audit the router URL or every prefill node",
+            evidence,
+        )
+
+    def _only_guaranteed(
+        self, target: Target, guarantee: Fact, headroom: float, evidence: dict[str, Any]
+    ) -> CheckResult:
+        evidence["pool_guarantee_tokens"] = guarantee.to_json()
+        return self.result(
+            target,
+            Verdict.INCONCLUSIVE,
+            f"KV pool size not reported; the engine only guarantees {guarantee.value} tokens "
+            f"at start-up ({guarantee.source}), one full request, not × {headroom} — failing "
+            "closed (headroom 1.0 gates on the guarantee)",
+            evidence,
+        )
 
     def _gate(
         self,

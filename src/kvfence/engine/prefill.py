@@ -214,7 +214,12 @@ class PrefillEngine:
         """One forward over running chunks first, then newly admitted prompts, within the budget."""
         budget = self.config.max_batch_tokens
         plan: list[tuple[_Seq, int]] = []
-        for seq in self.running:
+        # Fairness: a prompt from a tenant with nothing in prefill goes first, alone, for one
+        # step, so a short prompt never waits behind another tenant's long chunks; each such
+        # arrival delays the running chunks by one step at most (no starvation).
+        busy = {seq.req.tenant for seq in self.running}
+        newcomer = any(seq.req.tenant not in busy for seq in self.waiting)
+        for seq in () if newcomer else self.running:
             if budget == 0:
                 break
             n = min(seq.remaining, self.config.step_chunk, budget)

@@ -24,6 +24,7 @@ from kvfence.serve import protocol
 from kvfence.serve.config import Capacity, ServeConfig
 from kvfence.serve.errors import ApiError, bad_request
 from kvfence.serve.fields import load_json
+from kvfence.serve.limits import AdmissionLimits
 from kvfence.serve.protocol import GenerationRequest, Kind
 from kvfence.serve.tenants import TenantRegistry
 
@@ -55,6 +56,7 @@ class Admission:
         self.config = config
         self.capacity = capacity
         self.tenants = tenants
+        self.limits = AdmissionLimits(tenants.limits())
 
     @property
     def body_limit(self) -> int:

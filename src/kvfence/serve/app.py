@@ -19,12 +19,14 @@ from kvfence.engine.backend import Backend
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve import protocol
 from kvfence.serve.admission import Admission
+from kvfence.serve.body import read_body
 from kvfence.serve.config import Capacity, ServeConfig, decide_capacity
 from kvfence.serve.errors import INTERNAL_ERROR, ApiError
 from kvfence.serve.fields import load_json
 from kvfence.serve.info import server_info
 from kvfence.serve.metrics import RouterCounters, make_registry, render
-from kvfence.serve.router import Router, read_body
+from kvfence.serve.openapi import build_openapi
+from kvfence.serve.router import Router
 from kvfence.serve.tenants import TenantRegistry
 
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -82,8 +84,8 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, e: ApiError) -> Response:
-        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+        return JSONResponse(e.body(), status_code=e.status, headers={**headers, **e.headers})
 
     @app.exception_handler(Exception)
     async def internal(_request: Request, _e: Exception) -> Response:
@@ -155,8 +157,16 @@ def create_app(
         return Response(render(registry), media_type=PROMETHEUS_TYPE)
 
     async def info(request: Request) -> dict[str, Any]:
+        tenant = authenticate(request)
+        own = admission.limits.report(tenant)
+        return server_info(config, capacity, backend.stats(), tenants.auth, own)
+
+    schema = build_openapi(config, capacity)
+
+    @app.get("/openapi.json")
+    async def openapi(request: Request) -> dict[str, Any]:
         authenticate(request)
-        return server_info(config, capacity, backend.stats(), tenants.auth)
+        return schema
 
     app.add_api_route("/server_info", info, methods=["GET"])
     app.add_api_route("/get_server_info", info, methods=["GET"])
@@ -165,7 +175,9 @@ def create_app(
 
 async def json_body(request: Request, admission: Admission) -> dict[str, Any]:
     """The body as a JSON object, within the admission's size limit (413 above it)."""
-    return load_json(await read_body(request, admission.body_limit))
+    return load_json(
+        await read_body(request, admission.body_limit, admission.config.body_timeout_s)
+    )
 
 
 def model_of(obj: dict[str, Any]) -> str | None:

@@ -68,6 +68,7 @@ def build_local(
     allow_undersized_pool: bool = False,
     lab_profile: str | None = None,
     default_max_tokens: int = default_of(ServeConfig, "default_max_tokens"),
+    chunk_size: int | None = None,
 ) -> ServerParts:
     """Load the checkpoint and build a (not yet started) pipeline and the server's config."""
     loaded = load_model(model_dir, kind=kind)
@@ -82,6 +83,7 @@ def build_local(
         prefix_cache=prefix_cache,
         shared_prefix_namespace=SHARED_NAMESPACE if shared_prefix_cache else None,
         eos_token_ids=loaded.tokenizer.eos_ids,
+        chunk_size=chunk_size,
     )
     faults = faults or FaultSet()
     pipeline = LocalPipeline(loaded.model, geometry, engine, faults, kv_link=inprocess_link)

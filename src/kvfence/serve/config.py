@@ -35,6 +35,7 @@ class ServeConfig:
     disaggregated: bool = False
     prefix_cache: bool = True
     shared_prefix_cache: bool = False  # the operator's explicit opt-in (I8)
+    body_timeout_s: float = 60.0  # a request body not whole by then is a 408 (slowloris)
 
     def __post_init__(self) -> None:
         for name in ("context_length", "vocab_size", "default_max_tokens"):
@@ -43,6 +44,8 @@ class ServeConfig:
                 raise ValueError(f"ServeConfig.{name} must be a positive integer, got {value!r}")
         if not self.model_name:
             raise ValueError("ServeConfig.model_name must not be empty")
+        if not self.body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
         if self.headroom < 1.0:
             raise ValueError(f"headroom must be >= 1.0, got {self.headroom}")
 

@@ -19,7 +19,11 @@ ENGINE_NAME = "kvfence"
 
 
 def server_info(
-    config: ServeConfig, capacity: Capacity, stats: BackendStats, auth: str
+    config: ServeConfig,
+    capacity: Capacity,
+    stats: BackendStats,
+    auth: str,
+    admission: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     report = capacity.report
     pools = [asdict(p) for p in stats.pools]
@@ -55,4 +59,6 @@ def server_info(
         },
         "auth": auth,
         "lab": {"faults": config.faults.names(), "profile": config.lab_profile},
+        # The caller's own tenant limits and live usage (serve/limits.py); never another's.
+        "admission": admission,
     }

@@ -26,8 +26,10 @@ from kvfence.engine.backend import Backend, GenerateWork
 from kvfence.engine.messages import ErrorInfo, Failure, TokenChunk
 from kvfence.faults import Fault
 from kvfence.serve.admission import Admission, Prepared
+from kvfence.serve.body import read_body
 from kvfence.serve.config import ServeConfig
 from kvfence.serve.errors import INTERNAL_ERROR, ApiError
+from kvfence.serve.limits import Slot
 from kvfence.serve.metrics import Outcome, RouterCounters
 from kvfence.serve.output import OutputAssembler
 from kvfence.serve.protocol import Kind
@@ -50,6 +52,7 @@ class Run:
     gone: asyncio.Event = field(default_factory=asyncio.Event)  # the client disconnected
     ended: bool = False  # the backend's side is over (terminal event seen, or aborted)
     counted: bool = False  # its outcome is in the metrics (exactly once)
+    slot: Slot | None = None  # its share of the tenant's admission limits
 
 
 class Router:
@@ -126,6 +129,8 @@ class Router:
         if not getter.done() or getter.cancelled():
             return None
         event = getter.result()
+        if run.slot is not None:
+            run.slot.prefilled()  # the first event ends the prompt's wait (idempotent)
         if event.room != run.room:
             # I9/I10: an event for another room must never reach this client.
             self.counters.isolation_violations += 1
@@ -142,8 +147,22 @@ class Router:
             )
         return event
 
+    def _admit_and_submit(self, kind: Kind, tenant: str, body: bytes) -> Run:
+        prep = self.admission.admit(kind, tenant, body)
+        # Per-tenant limits (serve/limits.py): a 429 here has made no room, allocated nothing.
+        slot = self.admission.limits.acquire(tenant, len(prep.prompt_ids))
+        try:
+            run = self.submit(prep)
+        except BaseException:
+            slot.release()
+            raise
+        run.slot = slot
+        return run
+
     def finish(self, run: Run, reason: str | None) -> None:
         """Close our side of the run; abort the backend's side when it is not over (I7)."""
+        if run.slot is not None:
+            run.slot.release()
         if not run.ended:
             run.ended = True
             self.backend.abort(run.room, reason or "router finished the request")
@@ -154,8 +173,9 @@ class Router:
     async def generate(self, request: Request, kind: Kind) -> Response:
         try:
             tenant = self.admission.authenticate(request.headers.get("authorization"))
-            body = await read_body(request, self.admission.body_limit)
-            run = self.submit(self.admission.admit(kind, tenant, body))
+            self.admission.limits.precheck(tenant)  # at its concurrency limit: 429, unread
+            body = await read_body(request, self.admission.body_limit, self.config.body_timeout_s)
+            run = self._admit_and_submit(kind, tenant, body)
         except ApiError as e:
             self.counters.rejected(e.code or e.type)
             raise
@@ -314,15 +334,3 @@ class Router:
 
     def _usage(self, run: Run, out: OutputAssembler) -> dict[str, Any]:
         return usage(len(run.prep.prompt_ids), out.completion_tokens, out.cached_tokens)
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(
-                413, f"request body exceeds {limit} bytes", param=None, code="body_too_large"
-            )
-        chunks.append(chunk)
-    return b"".join(chunks)

@@ -1,6 +1,7 @@
 """Tenants and their API keys (invariant I10).
 
-Keys come from a JSON file (`{"tenants": [{"name": "a", "keys": ["sk-..."]}]}`)
+Keys come from a JSON file (`{"tenants": [{"name": "a", "keys": ["sk-..."]}]}`,
+each entry optionally with admission `"limits"`: see `serve/limits.py`)
 or are generated for the embedded default. A presented key is compared in
 constant time against *every* key, always all of them, with no early exit, so
 the time taken says nothing about which key (or which prefix of a key)
@@ -14,9 +15,11 @@ import hmac
 import json
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from kvfence.serve.limits import TenantLimits
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MIN_KEY_CHARS = 16
@@ -31,6 +34,7 @@ class TenantFileError(ValueError):
 class Tenant:
     name: str
     keys: tuple[str, ...]
+    limits: TenantLimits = field(default_factory=TenantLimits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,24 +95,30 @@ class TenantRegistry:
         for i, entry in enumerate(entries):
             if (
                 not isinstance(entry, dict)
-                or set(entry) != {"name", "keys"}
+                or not {"name", "keys"} <= set(entry) <= {"name", "keys", "limits"}
                 or not isinstance(entry["name"], str)
                 or not isinstance(entry["keys"], list)
                 or not all(isinstance(k, str) for k in entry["keys"])
             ):
                 raise TenantFileError(
-                    f"{path}: tenants[{i}] must be {{'name': str, 'keys': [str, ...]}}"
+                    f"{path}: tenants[{i}] must be {{'name': str, 'keys': [str, ...]}} "
+                    "(and optionally 'limits')"
                 )
-            tenants.append(Tenant(entry["name"], tuple(entry["keys"])))
+            try:
+                limits = TenantLimits.from_json(entry.get("limits", {}))
+            except (TypeError, ValueError) as e:
+                raise TenantFileError(f"{path}: tenants[{i}]: {e}") from None
+            tenants.append(Tenant(entry["name"], tuple(entry["keys"]), limits))
         try:
             return cls(tenants=tuple(tenants))
         except ValueError as err:
             raise TenantFileError(f"{path}: {err}") from None
 
     def to_json(self) -> str:
-        return json.dumps(
-            {"tenants": [{"name": t.name, "keys": list(t.keys)} for t in self.tenants]}, indent=2
-        )
+        return json.dumps({"tenants": [_entry(t) for t in self.tenants]}, indent=2)
+
+    def limits(self) -> dict[str, TenantLimits]:
+        return {t.name: t.limits for t in self.tenants}
 
     def authenticate(self, authorization: str | None) -> str | None:
         """The tenant for an `Authorization: Bearer <key>` header, or None (I10)."""
@@ -125,6 +135,13 @@ class TenantRegistry:
                 if hmac.compare_digest(probe, key.encode("ascii")):
                     found = tenant.name
         return found
+
+
+def _entry(t: Tenant) -> dict[str, Any]:
+    entry: dict[str, Any] = {"name": t.name, "keys": list(t.keys)}
+    if not t.limits.unlimited:
+        entry["limits"] = t.limits.to_json()
+    return entry
 
 
 def _bearer(header: str | None) -> str | None:

@@ -76,6 +76,9 @@ class RouterTarget(Target):
         facts.max_input = _smallest(
             [n for n in facts.nodes if n.max_input.known], "max_input", "reached"
         )
+        most = _most(facts.nodes, facts.max_input, facts.context_length)
+        if most is not None:
+            facts.extra["max_input_most"] = most
         facts.prefix_caching = _any_caches(facts.nodes)
         facts.cache_salt_supported = self._salt(facts.nodes)
         facts.tokenizer = tokenizer_fact(client)
@@ -99,6 +102,29 @@ class RouterTarget(Target):
         facts = self.facts(client)
         fleet = Fleet(client, self.worker_adapters)
         return {f"{n.url} {k}": v for n in facts.nodes for k, v in fleet.read_counters(n).items()}
+
+
+def _most(nodes: list[NodeFacts], limit: Fact, context: Fact) -> Fact | None:
+    """The longest prompt any node may take: a reject probe must sit above every node's limit."""
+    bounds: list[int] = []
+    for n in nodes:
+        own = n.extra.get("max_input_most") or n.max_input
+        ctx = n.context_length if n.context_length.known else context
+        bound = own.as_int() if own.known else None
+        if bound is None and ctx.as_int() is not None:
+            bound = (ctx.as_int() or 0) - 1  # the tokenizer's own rule: input <= context - 1
+        if bound is None:
+            return None
+        bounds.append(bound)
+    low = limit.as_int()
+    if low is None or not bounds or max(bounds) <= low:
+        return None
+    return Fact(
+        max(bounds),
+        "every node's max_input (or context - 1)",
+        f"nodes apply different limits ({low}..{max(bounds)}): the router may send a prompt "
+        "in between to a node that legitimately takes it",
+    )
 
 
 def _any_caches(nodes: list[NodeFacts]) -> Fact:

@@ -37,6 +37,7 @@ from kvfence.audit.targets.base import (
 from kvfence.audit.targets.sglang_shapes import (
     NEW_TOKENIZER_RULE,
     max_input_fact,
+    max_input_most,
     pool_fact,
     pool_from_metrics,
     role_fact,
@@ -126,6 +127,9 @@ class SglangTarget(Target):
         facts.max_input = max_input_fact(
             info, path, facts.context_length, facts.pool_tokens, version
         )
+        most = max_input_most(info, path, facts.context_length, facts.max_input)
+        if most is not None:
+            facts.extra["max_input_most"] = most
         ps, _ = json_int(info, "page_size")
         facts.page_size = Fact(ps, f"GET {path} page_size") if ps else Fact.unknown(path)
         facts.prefix_caching = self._prefix_caching(info, path, role)

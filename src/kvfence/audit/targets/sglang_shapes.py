@@ -185,3 +185,30 @@ def max_input_fact(
         f"(min(context_len - 1, pool - 1) - 5 per rank; read in 0.4.6 and 0.5.23); "
         f"binding: {why}{tok_note}",
     )
+
+
+def max_input_most(info: dict[str, Any], path: str, context: Fact, limit: Fact) -> Fact | None:
+    """The longest prompt *some* rank admits, where ranks differ (each sizes its own limit).
+
+    Rank 0's `max_req_input_len` is reported; every other rank's is at most
+    `min(pool, context) - 6`. None when it equals `limit` (one rule for all).
+    """
+    rs = ranks(info) or []
+    low = limit.as_int()
+    if low is None or not rs or any(r.pool is None for r in rs):
+        return None
+    ctx = context.as_int()
+    bounds = [
+        min(r.pool or 0, ctx if ctx is not None else r.pool or 0) - 1 - SCHEDULER_MARGIN - 1
+        for r in rs
+    ]
+    reported, _ = json_int(info, "max_req_input_len")
+    most = max([*bounds, *([reported - 1] if reported is not None else [])])
+    if most <= low:
+        return None
+    return Fact(
+        most,
+        f"GET {path} internal_states[*].memory_usage.token_capacity",
+        f"ranks apply different limits ({low}..{most}); a prompt in between may be taken by a "
+        "larger rank, so only one above every limit must be refused",
+    )

@@ -1,11 +1,26 @@
-"""vLLM: `/metrics` `vllm:cache_config_info`, `/v1/models`, `/tokenize`.
+"""vLLM: `/metrics` (`vllm:cache_config_info`, NIXL series), `/v1/models`, `/tokenize`.
 
-`vllm:cache_config_info` is a gauge whose *labels* carry the cache config:
-`num_gpu_blocks` (the KV pool in blocks — on CPU too, despite the name),
-`block_size`, `enable_prefix_caching`, and on newer releases
-`kv_cache_size_tokens`. With data parallelism each engine exports its own
-sample (an `engine` label). vLLM's length rule is prompt + max_tokens <=
-max_model_len.
+Read in vLLM 0.32's and 0.33's source (`v1/metrics/loggers.py`,
+`v1/engine/core_client.py`, `v1/core/kv_cache_utils.py`, `config/cache.py`,
+`distributed/kv_transfer/kv_connector/v1/nixl/stats.py`):
+
+- `vllm:cache_config_info` is a gauge whose *labels* are the API server's
+  one `CacheConfig` (every field, as strings), one series per engine index
+  and otherwise identical. With data parallelism `num_gpu_blocks` is the
+  **sum** over engines, `kv_cache_size_tokens` / `kv_cache_max_concurrency`
+  whichever engine was ready first, `block_size` the last one's. Pools are
+  per engine, so several series never name the smallest engine: the pool is
+  then unknown (inconclusive), never the minimum of identical series.
+- `kv_cache_size_tokens = int(kv_cache_max_concurrency × max_model_len)` is
+  group-aware; `num_gpu_blocks × block_size` is wrong for hybrid models (one
+  block pool shared by every KV-cache group, `block_size` the smallest
+  group's). The gate uses `kv_cache_size_tokens`. vLLM refuses to start
+  unless its pool holds one `max_model_len`: a start-up guarantee, never headroom.
+- P/D over NIXL shows only in `/metrics`: `vllm:nixl_*` series on any NIXL
+  node (counters `vllm:nixl_num_failed_transfers`, `…_kv_expired_reqs`,
+  `…_notifications_after_expiry`), and `vllm:num_requests_kv_fetch_by_stage`
+  only on a KV consumer (decode) or `kv_both` node.
+- Length rule: prompt + max_tokens <= max_model_len.
 """
 
 from __future__ import annotations
@@ -16,6 +31,7 @@ from kvfence.audit.base import Fact
 from kvfence.audit.client import ProbeClient
 from kvfence.audit.targets.base import (
     Endpoints,
+    Sample,
     Target,
     TargetFacts,
     json_int,
@@ -25,6 +41,13 @@ from kvfence.audit.targets.base import (
 )
 
 CACHE_INFO = "vllm:cache_config_info"
+SRC = f"GET /metrics {CACHE_INFO}"
+KV_FETCH = "vllm:num_requests_kv_fetch_by_stage"
+NIXL_COUNTERS = (
+    "vllm:nixl_num_failed_transfers",
+    "vllm:nixl_num_kv_expired_reqs",
+    "vllm:nixl_num_notifications_after_expiry",
+)
 
 
 def _label_int(labels: dict[str, str], key: str) -> int | None:
@@ -32,6 +55,48 @@ def _label_int(labels: dict[str, str], key: str) -> int | None:
         return int(labels[key])
     except (KeyError, ValueError):
         return None
+
+
+def _label_float(labels: dict[str, str], key: str) -> float | None:
+    try:
+        return float(labels[key])
+    except (KeyError, ValueError):
+        return None
+
+
+def is_hybrid(labels: dict[str, str]) -> bool:
+    """A model with more than one KV-cache group shape (Mamba / hybrid attention)."""
+    return labels.get("mamba_block_size", "None") != "None"
+
+
+def pd_role(samples: list[Sample] | None) -> Fact | None:
+    """The node's P/D role as its metrics show it; None when it shows no KV transfer."""
+    names = {s.name for s in samples or []}
+    if KV_FETCH in names:
+        return Fact(
+            "decode",
+            f"GET /metrics {KV_FETCH}",
+            "exported only by a KV consumer (decode) or kv_both node",
+        )
+    if any(n.startswith("vllm:nixl_") for n in names):
+        return Fact("prefill", "GET /metrics vllm:nixl_* without " + KV_FETCH, "kv_producer")
+    return None
+
+
+def nixl_counters(samples: list[Sample] | None) -> dict[str, Fact]:
+    """NIXL failure counters (summed over engines); unknown ones on a NIXL node are reported."""
+    names = {s.name for s in samples or []}
+    if not any(n.startswith("vllm:nixl_") for n in names):
+        return {}
+    out: dict[str, Fact] = {}
+    for base in NIXL_COUNTERS:
+        found = samples_named(samples or [], f"{base}_total") or samples_named(samples or [], base)
+        out[base] = (
+            Fact(int(sum(s.value for s in found)), f"GET /metrics {base}_total")
+            if found
+            else Fact.unknown(f"GET /metrics {base}_total", "absent on a NIXL node")
+        )
+    return out
 
 
 class VllmTarget(Target):
@@ -58,76 +123,98 @@ class VllmTarget(Target):
         model, entry = models_fact(ep)
         facts = TargetFacts(engine=Fact("vllm", "GET /metrics vllm:*"), model=model)
         mml, _ = json_int(entry, "max_model_len")
-        if mml is not None:
-            facts.context_length = Fact(mml, "GET /v1/models data[0].max_model_len")
-            facts.max_input = Fact(
-                mml - 1,
-                "GET /v1/models data[0].max_model_len - 1",
-                "vLLM rejects prompt + max_tokens > max_model_len",
-            )
-        else:
-            facts.context_length = Fact.unknown("GET /v1/models data[0].max_model_len", "absent")
-            facts.max_input = facts.context_length
+        facts.context_length, facts.max_input = _limits(mml)
         samples = ep.metrics()
         infos = samples_named(samples or [], CACHE_INFO)
         if samples is None:
-            facts.pool_tokens = Fact.unknown(
-                f"GET /metrics {CACHE_INFO}", "/metrics did not answer"
-            )
+            facts.pool_tokens = Fact.unknown(SRC, "/metrics did not answer")
         elif not infos:
-            facts.pool_tokens = Fact.unknown(f"GET /metrics {CACHE_INFO}", "gauge absent")
+            facts.pool_tokens = Fact.unknown(SRC, "gauge absent")
         else:
-            self._cache_facts(facts, [s.labels for s in infos])
+            cache_facts(facts, [s.labels for s in infos])
+        role = pd_role(samples)
+        if role is not None:
+            facts.extra["pd_role"] = role
+            facts.extra["kv_transfer"] = Fact(
+                "NIXL" if any(s.name.startswith("vllm:nixl_") for s in samples or []) else "other",
+                "GET /metrics vllm:nixl_*",
+            )
         facts.cache_salt_supported = Fact(
             True, "vLLM OpenAI API (cache_salt, since 0.9)", "the prefix-sharing check verifies it"
         )
         facts.tokenizer = tokenizer_fact(client)
+        facts.counters = nixl_counters(samples)
         for name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"):
             found = samples_named(samples or [], name)
             if found:
                 facts.counters[name] = Fact(
-                    int(sum(s.value for s in found)), f"GET /metrics {name}"
+                    int(sum(s.value for s in found)), f"GET /metrics {name}", "(informational)"
                 )
         return facts
 
-    @staticmethod
-    def _cache_facts(facts: TargetFacts, engines: list[dict[str, str]]) -> None:
-        src = f"GET /metrics {CACHE_INFO}"
-        per_engine: list[int] = []
-        notes: list[str] = []
-        block_size: int | None = None
-        for labels in engines:
-            blocks = _label_int(labels, "num_gpu_blocks")
-            bs = _label_int(labels, "block_size")
-            block_size = bs if bs is not None else block_size
-            tokens = blocks * bs if blocks is not None and bs is not None else None
-            declared = _label_int(labels, "kv_cache_size_tokens")
-            if tokens is not None and declared is not None and declared != tokens:
-                notes.append(
-                    f"kv_cache_size_tokens={declared} != num_gpu_blocks×block_size={tokens}"
-                )
-                tokens = min(tokens, declared)  # never claim more than either source says
-            elif tokens is None:
-                tokens = declared
-            if tokens is not None:
-                per_engine.append(tokens)
-        if block_size is not None:
-            facts.page_size = Fact(block_size, f"{src} block_size")
-        if per_engine:
-            total = sum(per_engine)
-            if len(per_engine) > 1:
-                notes.append(
-                    f"{len(per_engine)} data-parallel engines, {total} blocks×size in total; "
-                    "one request runs on one engine, so the gate uses the smallest engine pool"
-                )
-                facts.extra["pool_tokens_all_engines"] = Fact(
-                    total, f"{src} Σ num_gpu_blocks×block_size"
-                )
-            facts.pool_tokens = Fact(
-                min(per_engine), f"{src} num_gpu_blocks×block_size", "; ".join(notes)
-            )
-        else:
-            facts.pool_tokens = Fact.unknown(src, "labels lack num_gpu_blocks/block_size")
-        epc = engines[0].get("enable_prefix_caching")
-        if epc in ("True", "False", "true", "false"):
-            facts.prefix_caching = Fact(epc.lower() == "true", f"{src} enable_prefix_caching")
+    def read_counters(self, client: ProbeClient) -> dict[str, Fact]:
+        return nixl_counters(Endpoints(client).metrics())
+
+
+def _limits(mml: int | None) -> tuple[Fact, Fact]:
+    """(context, longest prompt with max_tokens=1) from /v1/models max_model_len."""
+    src = "GET /v1/models data[0].max_model_len"
+    if mml is None:
+        unknown = Fact.unknown(src, "absent")
+        return unknown, unknown
+    rule = "vLLM rejects prompt + max_tokens > max_model_len"
+    return Fact(mml, src), Fact(mml - 1, f"{src} - 1", rule)
+
+
+def cache_facts(facts: TargetFacts, series: list[dict[str, str]]) -> None:
+    """Pool, page size and prefix caching from the `vllm:cache_config_info` series."""
+    first = series[0]
+    bs = _label_int(first, "block_size")
+    if bs is not None:
+        facts.page_size = Fact(bs, f"{SRC} block_size")
+    epc = first.get("enable_prefix_caching")
+    if epc in ("True", "False", "true", "false"):
+        facts.prefix_caching = Fact(epc.lower() == "true", f"{SRC} enable_prefix_caching")
+    conc = _label_float(first, "kv_cache_max_concurrency")
+    if conc is not None:
+        facts.extra["kv_cache_max_concurrency"] = Fact(
+            conc, f"{SRC} kv_cache_max_concurrency", "whole max_model_len requests the pool holds"
+        )
+    if len(series) > 1:
+        facts.pool_tokens = _data_parallel_pool(series)
+        facts.extra["data_parallel_engines"] = Fact(len(series), f"{SRC} (one series per engine)")
+    else:
+        facts.pool_tokens = _one_engine_pool(first)
+
+
+def _one_engine_pool(labels: dict[str, str]) -> Fact:
+    tokens = _label_int(labels, "kv_cache_size_tokens")
+    blocks, bs = _label_int(labels, "num_gpu_blocks"), _label_int(labels, "block_size")
+    guarantee = "vLLM refuses to start below 1 × max_model_len: a guarantee, never headroom"
+    if tokens is not None:
+        note = "group-aware (kv_cache_max_concurrency × max_model_len); " + guarantee
+        if blocks is not None and bs is not None and blocks * bs != tokens:
+            note += f"; num_gpu_blocks×block_size = {blocks * bs} (not used: wrong for hybrids)"
+        return Fact(tokens, f"{SRC} kv_cache_size_tokens", note)
+    if is_hybrid(labels):
+        return Fact.unknown(
+            f"{SRC} kv_cache_size_tokens",
+            "absent, and blocks × block_size is wrong for a hybrid model (mamba_block_size set)",
+        )
+    if blocks is not None and bs is not None:
+        return Fact(blocks * bs, f"{SRC} num_gpu_blocks×block_size", guarantee)
+    return Fact.unknown(SRC, "labels lack kv_cache_size_tokens and num_gpu_blocks/block_size")
+
+
+def _data_parallel_pool(series: list[dict[str, str]]) -> Fact:
+    """Several engines behind one API server: their series carry one config, not their pools."""
+    engines = sorted(s.get("engine", "?") for s in series)
+    blocks = _label_int(series[0], "num_gpu_blocks")
+    tokens = _label_int(series[0], "kv_cache_size_tokens")
+    return Fact.unknown(
+        f"{SRC} (engines {', '.join(engines)})",
+        f"{len(series)} data-parallel engines export one config: num_gpu_blocks={blocks} is the "
+        f"sum over engines and kv_cache_size_tokens={tokens} is whichever engine was ready first, "
+        "so the smallest engine's pool is not in these labels — audit each engine on its own "
+        "endpoint (or through vllm-router's /workers)",
+    )

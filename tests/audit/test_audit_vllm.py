@@ -1,0 +1,125 @@
+"""The vLLM adapter against 0.32's real metrics (one captured live, the rest written from its
+source: fixtures/vllm/README.md): one engine, data parallel, hybrid, NIXL prefill and decode."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from audit_replay import FIXTURES, ReplayServer, Route
+
+from kvfence.audit.base import AuditContext, Budget, Verdict, run_check
+from kvfence.audit.capacity import CapacityCheck
+from kvfence.audit.client import ProbeClient
+from kvfence.audit.counters import CountersCheck
+from kvfence.audit.targets.registry import detect
+from kvfence.audit.targets.vllm import VllmTarget
+
+VLLM = FIXTURES / "vllm"
+
+
+def serve(replay: ReplayServer, metrics: str, max_model_len: int = 2048) -> None:
+    replay.routes[("GET", "/metrics")] = Route(200, (VLLM / metrics).read_text(), "text/plain")
+    models = json.loads((VLLM / "0.32.0.models.json").read_text())
+    models["data"][0]["max_model_len"] = max_model_len
+    replay.json("/v1/models", models)
+
+
+@pytest.fixture
+def client(replay: ReplayServer) -> Iterator[ProbeClient]:
+    c = ProbeClient(replay.url, api_key=None, budget=Budget(max_requests=50))
+    yield c
+    c.close()
+
+
+def capacity(url: str, headroom: float = 1.25) -> Any:
+    ctx = AuditContext(headroom=headroom)
+    with ctx.open():
+        return run_check(CapacityCheck(), ctx, VllmTarget(url))
+
+
+def test_one_engine_as_captured_live(replay: ReplayServer, client: ProbeClient) -> None:
+    serve(replay, "0.32.0-single.metrics.txt")
+    replay.json("/tokenize", {"count": 2, "max_model_len": 2048, "tokens": [1, 2]}, method="POST")
+    target = detect(replay.url, client)
+    assert target.engine == "vllm"
+    facts = target.facts(client)
+    assert facts.pool_tokens.value == 64 * 128
+    assert "kv_cache_size_tokens" in facts.pool_tokens.source
+    assert "guarantee" in facts.pool_tokens.note
+    assert facts.page_size.value == 128
+    assert facts.context_length.value == 2048
+    assert facts.max_input.value == 2047
+    assert facts.prefix_caching.value is True
+    assert facts.tokenizer.value == "/tokenize"
+    assert facts.extra["kv_cache_max_concurrency"].value == 4.0
+    assert "pd_role" not in facts.extra  # no KV transfer in its metrics
+    assert target.read_counters(client) == {}
+
+
+def test_data_parallel_engines_are_never_a_pass(replay: ReplayServer, client: ProbeClient) -> None:
+    serve(replay, "0.32.0-dp2.metrics.txt")
+    facts = VllmTarget(replay.url).facts(client)
+    assert not facts.pool_tokens.known
+    assert "sum over engines" in facts.pool_tokens.note
+    assert facts.extra["data_parallel_engines"].value == 2
+    # Engine 1 holds 40 × 128 = 5,120 < 2048 × 1.25 — but the minimum of the identical
+    # series (engine 0's 8,192, or the sum 13,312) would have passed.
+    res = capacity(replay.url)
+    assert res.verdict is Verdict.INCONCLUSIVE
+    assert "data-parallel" in res.summary
+
+
+def test_hybrid_model_is_gated_on_kv_cache_size_tokens(replay: ReplayServer) -> None:
+    serve(replay, "0.32.0-hybrid.metrics.txt", max_model_len=16384)
+    res = capacity(replay.url)
+    # 3000 blocks × 16 = 48,000 would pass; the group-aware 18,432 < 16,384 × 1.25 fails.
+    assert res.verdict is Verdict.FAIL
+    assert res.evidence["pool_tokens"]["value"] == 18432
+    assert "48000" in res.evidence["pool_tokens"]["note"]
+    assert capacity(replay.url, headroom=1.1).verdict is Verdict.PASS
+
+
+def test_hybrid_without_kv_cache_size_tokens_is_unknown(replay: ReplayServer) -> None:
+    serve(replay, "0.32.0-hybrid.metrics.txt", max_model_len=16384)
+    text = (VLLM / "0.32.0-hybrid.metrics.txt").read_text()
+    text = re.sub(r'kv_cache_size_tokens="\d+",', "", text)
+    replay.routes[("GET", "/metrics")] = Route(200, text, "text/plain")
+    assert capacity(replay.url, headroom=1.0).verdict is Verdict.INCONCLUSIVE
+
+
+@pytest.mark.parametrize(("fixture", "role"), [("prefill", "prefill"), ("decode", "decode")])
+def test_a_nixl_node_is_reported_as_pd_with_its_role(
+    fixture: str, role: str, replay: ReplayServer, client: ProbeClient
+) -> None:
+    serve(replay, f"0.32.0-nixl-{fixture}.metrics.txt")
+    facts = VllmTarget(replay.url).facts(client)
+    assert facts.extra["pd_role"].value == role
+    assert facts.extra["kv_transfer"].value == "NIXL"
+    assert facts.counters["vllm:nixl_num_failed_transfers"].value == 0
+    assert set(facts.counters) >= {
+        "vllm:nixl_num_kv_expired_reqs",
+        "vllm:nixl_num_notifications_after_expiry",
+    }
+    verdict = capacity(replay.url).verdict
+    assert verdict is (Verdict.INCONCLUSIVE if role == "decode" else Verdict.PASS)
+
+
+def test_nixl_transfer_failures_during_the_audit_fail_counters(replay: ReplayServer) -> None:
+    serve(replay, "0.32.0-nixl-decode.metrics.txt")
+    ctx = AuditContext()
+    check = CountersCheck()
+    target = VllmTarget(replay.url)
+    with ctx.open():
+        check.snapshot(ctx, target)
+        assert run_check(check, ctx, target).verdict is Verdict.PASS
+        text = (VLLM / "0.32.0-nixl-decode.metrics.txt").read_text()
+        moved = re.sub(r"(vllm:nixl_num_failed_transfers_total\{[^}]*\}) 0\.0", r"\1 3.0", text)
+        assert moved != text
+        replay.routes[("GET", "/metrics")] = Route(200, moved, "text/plain")
+        res = run_check(check, ctx, target)
+    assert res.verdict is Verdict.FAIL
+    assert "vllm:nixl_num_failed_transfers 0 → 3" in res.summary

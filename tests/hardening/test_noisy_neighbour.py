@@ -1,0 +1,167 @@
+"""A noisy neighbour cannot starve the others (per-tenant admission limits, serve/limits.py).
+
+On the smollm checkpoint (SmolLM2-135M's geometry: prefill is expensive on a
+CPU), tenant "flood" keeps many near-limit prompts in the air while two quiet
+tenants send short prompts one at a time. The quiet tenants' p50 time to
+first token under the flood must stay within 2x of their idle p50, measured
+in the same run. With limits the flooder gets 429 + Retry-After; with the
+limits off (the same tenants file without them) the ratio blows up and the
+same assertion fails: `test_without_limits_the_flood_starves_the_others`.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from hardening_helpers import Live, live_server
+
+from kvfence.serve.limits import TenantLimits
+from kvfence.serve.tenants import Tenant, TenantRegistry
+
+CONTEXT = 512
+FLOOD_TOKENS = 480  # near the 512-token limit
+FLOOD_CONCURRENCY = 8
+QUIET_TOKENS = 8
+QUIET_REQUESTS = 6  # per quiet tenant, per phase
+CHUNK = int(os.environ.get("KVFENCE_FLOOD_CHUNK", "32"))
+LIMITS = TenantLimits(max_concurrent=1, max_queued_tokens=FLOOD_TOKENS, retry_after_s=1)
+RATIO = 2.0
+
+
+@pytest.fixture(scope="module")
+def smollm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("smollm") / "smollm"
+    subprocess.run(
+        [sys.executable, "-m", "kvfence", "make-model", str(out), "--preset", "smollm"],
+        check=True,
+        capture_output=True,
+    )
+    return out
+
+
+def _tenants(limited: bool) -> TenantRegistry:
+    limits = LIMITS if limited else TenantLimits()
+    key = lambda: f"sk-kvf-{secrets.token_hex(16)}"  # noqa: E731
+    return TenantRegistry(
+        (
+            Tenant("flood", (key(),), limits),
+            Tenant("quiet-1", (key(),), limits),
+            Tenant("quiet-2", (key(),), limits),
+        )
+    )
+
+
+@dataclass
+class Flood:
+    statuses: Counter[int]
+    retry_after: set[str]
+
+
+def _ttft(client: httpx.Client, live: Live, tenant: str, tokens: int) -> float:
+    ids = [secrets.randbelow(40_000) + 100 for _ in range(tokens)]  # unique: no cache hits
+    body = {"prompt": ids, "max_tokens": 1, "stream": True, "temperature": 0}
+    start = time.monotonic()
+    with client.stream(
+        "POST", live.url + "/v1/completions", headers=live.auth(tenant), json=body
+    ) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                return time.monotonic() - start
+    raise AssertionError("stream ended without a token")
+
+
+def _quiet_p50(live: Live) -> float:
+    """Both quiet tenants, each one request at a time, concurrently with each other."""
+
+    def one_tenant(tenant: str) -> list[float]:
+        with httpx.Client(timeout=300) as client:
+            return [_ttft(client, live, tenant, QUIET_TOKENS) for _ in range(QUIET_REQUESTS)]
+
+    with ThreadPoolExecutor(2) as pool:
+        samples = [x for xs in pool.map(one_tenant, ["quiet-1", "quiet-2"]) for x in xs]
+    return statistics.median(samples)
+
+
+@contextmanager
+def flooding(live: Live) -> Iterator[Flood]:
+    """FLOOD_CONCURRENCY clients sending near-limit prompts back to back until the block ends."""
+    flood = Flood(Counter(), set())
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def client_loop() -> None:
+        with httpx.Client(timeout=600) as client:
+            while not stop.is_set():
+                ids = [secrets.randbelow(40_000) + 100 for _ in range(FLOOD_TOKENS)]
+                r = client.post(
+                    live.url + "/v1/completions",
+                    headers=live.auth("flood"),
+                    json={"prompt": ids, "max_tokens": 1, "temperature": 0},
+                )
+                with lock:
+                    flood.statuses[r.status_code] += 1
+                    if r.status_code == 429:
+                        flood.retry_after.add(r.headers.get("retry-after", ""))
+                if r.status_code == 429:  # as the openai client does: wait Retry-After
+                    stop.wait(float(r.headers.get("retry-after", "1")))
+
+    threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(FLOOD_CONCURRENCY)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2.0)  # let the flood fill whatever it is allowed to fill
+        yield flood
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=600)
+
+
+def _measure(smollm: Path, limited: bool) -> tuple[float, float, Flood, Live]:
+    with live_server(
+        smollm, tenants=_tenants(limited), kind="llama", context_length=CONTEXT, pages=400,
+        chunk_size=CHUNK,
+    ) as live:  # fmt: skip
+        _ttft(httpx.Client(timeout=300), live, "quiet-1", QUIET_TOKENS)  # warm-up
+        idle = _quiet_p50(live)
+        with flooding(live) as flood:
+            loaded = _quiet_p50(live)
+        assert live.settle() == {"prefill": 0, "decode": 0}
+        admission = live.info()["admission"]
+        assert admission["in_flight"] == 0 and admission["queued_tokens"] == 0, admission
+    print(
+        f"limits {'on' if limited else 'off'}: quiet p50 TTFT idle {idle * 1000:.0f} ms, "
+        f"under flood {loaded * 1000:.0f} ms (x{loaded / idle:.2f}); flood statuses "
+        f"{dict(flood.statuses)}; load average {os.getloadavg()[0]:.1f}"
+    )
+    return idle, loaded, flood, live
+
+
+def test_limits_keep_the_quiet_tenants_within_2x(smollm: Path) -> None:
+    idle, loaded, flood, _ = _measure(smollm, limited=True)
+    assert flood.statuses[429] > 0 and flood.retry_after == {"1"}, flood
+    assert flood.statuses[200] > 0, flood  # throttled, not starved
+    assert set(flood.statuses) <= {200, 429}, flood
+    assert loaded <= RATIO * idle, f"quiet p50 TTFT {loaded:.3f} s vs idle {idle:.3f} s"
+
+
+def test_without_limits_the_flood_starves_the_others(smollm: Path) -> None:
+    """The same run with the limits off: the assertion above must fail (it can fail)."""
+    idle, loaded, flood, _ = _measure(smollm, limited=False)
+    assert flood.statuses[429] == 0, flood
+    assert loaded > RATIO * idle, f"quiet p50 TTFT {loaded:.3f} s vs idle {idle:.3f} s"
