@@ -4,13 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install clean peers browser
+.PHONY: demo test lint install clean peers browser pd
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# constraints.txt pins the CPU torch 2.13.0 that lies on disk (never the CUDA build).
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,pd]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -24,7 +24,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 # The whole suite, peers and browser included: installed here (cached), so none of it skips.
-test: lint peers browser
+test: lint peers browser pd
 	KVFENCE_REQUIRE_PEERS=1 KVFENCE_REQUIRE_BROWSER=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The real peer engines (vLLM CPU, llama-server) for tests/peers, cached outside the clone
@@ -39,6 +39,17 @@ browser:
 	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q chromium; \
 	fi
+
+# The real PD stack's native parts (tests/transfer, tests/pd): Mooncake's engine links
+# libibverbs even for TCP (Debian libibverbs1); NIXL's wheel declares a CUDA torch it does
+# not need (its core, UCX and POSIX plugins link no CUDA), so it goes in with --no-deps.
+NIXL := nixl-cu12==1.5.1
+pd: $(STAMP)
+	@if ldconfig -p | grep -q 'libibverbs.so.1 '; then echo "libibverbs1 present"; else \
+	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q libibverbs1; \
+	fi
+	@$(BIN)/pip show -q nixl-cu12 2>/dev/null || $(BIN)/pip install -q --no-deps '$(NIXL)'
 
 clean:
 	rm -rf $(VENV)

@@ -77,14 +77,41 @@ class Cluster:
                 out[outcome] = int(float(line.rsplit(" ", 1)[1]))
         return out
 
+    def kill(self, name: str) -> None:
+        """kill -9: no clean-up of any kind."""
+        self.workers[name].send_signal(signal.SIGKILL)
+        self.workers[name].wait(timeout=30)
+
+    def restart(self, name: str) -> None:
+        """The same worker again, at the same inbox: it rejoins by reporting its status."""
+        self.workers[name] = subprocess.Popen(self.argv[name])
+
+    def addr(self, name: str) -> str:
+        return self.argv[name][self.argv[name].index("--inbox") + 1]
+
+    def wait_rejoined(self, name: str, deadline_s: float) -> bool:
+        """Until the restarted worker's status arrives and it is no longer counted dead."""
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            if (
+                self.addr(name) not in self.backend.dead_workers()
+                and self.workers[name].poll() is None
+            ):
+                status = self.backend.worker_status(self.addr(name))
+                if status is not None and status.pages_used == 0:
+                    return True
+            time.sleep(0.2)
+        return False
+
     def quiet(self, deadline_s: float = 60.0) -> tuple[dict[str, str], dict[str, int]]:
         """Once nothing is open and every live worker's ledger report is in: (reports, pages)."""
         end = time.monotonic() + deadline_s
         while True:
             dead = set(self.backend.dead_workers())
             reports = {a: r for a, r in self.backend.integrity().items() if a not in dead}
-            pools = self.backend.stats().pools
-            pages = {p.role: p.pages_used + p.pages_pending for p in pools}
+            pages = {"prefill": 0, "decode": 0}
+            for p in self.backend.stats().pools:
+                pages[p.role] += p.pages_used + p.pages_pending
             done = self.backend.open_rooms() == 0 and reports and all(reports.values())
             if done or time.monotonic() > end:
                 return reports, pages
@@ -93,10 +120,18 @@ class Cluster:
 
 @contextmanager
 def cluster(
-    checkpoint: Path, names: Sequence[str], faults: Sequence[str] = (), kv_pages: str = ""
+    checkpoint: Path,
+    names: Sequence[str],
+    faults: Sequence[str] = (),
+    kv_pages: str = "",
+    workers_per_role: int = 1,
 ) -> Iterator[Cluster]:
     router_inbox = f"{LOOP}:{free_port()}"
-    inboxes = {"prefill-0": f"{LOOP}:{free_port()}", "decode-0": f"{LOOP}:{free_port()}"}
+    inboxes = {
+        f"{role}-{i}": f"{LOOP}:{free_port()}"
+        for role in ("prefill", "decode")
+        for i in range(workers_per_role)
+    }
     pages = kv_pages or "prefill=256,decode=256"
     fault_args = [x for f in faults for x in ("--lab-fault", f)]
     argv = {
@@ -132,8 +167,8 @@ def cluster(
     fs = FaultSet.parse(faults)
     backend = PDBackend(
         router_inbox,
-        [inboxes["prefill-0"]],
-        [inboxes["decode-0"]],
+        [a for n, a in inboxes.items() if n.startswith("prefill")],
+        [a for n, a in inboxes.items() if n.startswith("decode")],
         faults=fs,
         timeouts=Timeouts(liveness_s=3.0),
     )
@@ -175,6 +210,7 @@ class Tally:
     kinds: Counter[str] = field(default_factory=Counter)
     ttft: list[float] = field(default_factory=list)
     crossings: list[str] = field(default_factory=list)
+    partial: list[str] = field(default_factory=list)  # 200s whose content is not whole
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -206,7 +242,7 @@ def one_request(
     if kind == "cut-stream":
         body["ignore_eos"] = True
     start = time.monotonic()
-    text, outcome, first = "", "", None
+    text, got, outcome, first = "", "", "", None
     with client.stream("POST", c.url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             r.read()
@@ -215,6 +251,7 @@ def one_request(
             text = r.read().decode()
             first = time.monotonic() - start
             outcome = "finished"
+            got = json.loads(text)["choices"][0]["text"]
         else:
             for line in r.iter_lines():
                 if not line.startswith("data: "):
@@ -229,6 +266,8 @@ def one_request(
                 event = json.loads(line[6:])
                 if "error" in event:
                     outcome = "failed"
+                else:
+                    got += event["choices"][0]["text"]
                 text += json.dumps(event)
             outcome = outcome or "finished"
     # A fragment is enough: a stale read may miss the sentinel's first token (`ZQ`).
@@ -240,17 +279,30 @@ def one_request(
             tally.ttft.append(first)
         if foreign:
             tally.crossings.append(f"{tenant} ({kind}) read {foreign}")
+        # The mirror echoes the prompt: a whole answer is exactly its first max_tokens tokens.
+        if outcome == "finished" and not foreign and got != c.tokenizer.decode(prompt[:max_tokens]):
+            tally.partial.append(f"{tenant} ({kind}) got {got!r}")
 
 
-def traffic(c: Cluster, names: Sequence[str], seconds: float, seed: int) -> Tally:
+def traffic(
+    c: Cluster,
+    names: Sequence[str],
+    seconds: float,
+    seed: int,
+    busy: threading.Event | None = None,
+) -> Tally:
+    """Until `seconds` have passed and `busy` (a crash plan at work) is clear."""
     tally = Tally()
     end = time.monotonic() + seconds
+    hard_end = end + 300  # bounded whatever the plan does
 
     def tenant_loop(tenant: str, i: int) -> None:
         rng = random.Random(seed * 1000 + i)
         headers = {"Authorization": f"Bearer {c.key(tenant)}"}
         with httpx.Client(headers=headers, timeout=120) as client:
-            while time.monotonic() < end:
+            while time.monotonic() < end or (
+                busy is not None and busy.is_set() and time.monotonic() < hard_end
+            ):
                 kind = rng.choices(KINDS, WEIGHTS)[0]
                 one_request(client, c, tenant, kind, rng, tally)
 
@@ -276,14 +328,18 @@ class Result:
     throughput: float
     single_throughput: float
     kinds: Counter[str]
+    partial: list[str]
+    rejoined: dict[str, bool]
 
     @property
     def problems(self) -> list[str]:
         out = [f"crossing: {x}" for x in self.crossings[:5]]
+        out += [f"200 without the whole answer: {x}" for x in self.partial[:5]]
         if self.client != self.server:
             out.append(f"client counts {dict(self.client)} != server {dict(self.server)}")
         if any(self.pages.values()):
             out.append(f"pages still in use once quiet: {self.pages}")
+        out += [f"{name} did not rejoin" for name, ok in self.rejoined.items() if not ok]
         if not self.integrity or set(self.integrity.values()) != {"ok"}:
             out.append(f"ledger integrity: {self.integrity}")
         return out
@@ -302,12 +358,21 @@ def soak(
     kv_pages: str = "",
     seed: int = 0,
     baseline: bool = True,
+    crashes: Sequence[tuple[float, str]] = (),
 ) -> Result:
+    """`crashes`: (seconds into the run, worker) to kill -9 and restart 2 s later."""
     names = [f"t{i:02d}" for i in range(tenants)]
-    with cluster(checkpoint, names, faults, kv_pages) as c:
+    per_role = 2 if crashes else 1
+    with cluster(checkpoint, names, faults, kv_pages, per_role) as c:
         base = c.counters()
-        tally = traffic(c, names, seconds, seed)
+        busy = threading.Event()
+        busy.set()
+        plan = threading.Thread(target=_crash_plan, args=(c, crashes, busy), daemon=True)
+        plan.start()
+        tally = traffic(c, names, seconds, seed, busy)
+        plan.join(timeout=120)
         integrity, pages = c.quiet()
+        rejoined = {name: _served_since_restart(c, name) for _, name in crashes}
         server = c.counters() - base
         single = traffic(c, names[:1], seconds if baseline else 0, seed + 1)
         c.quiet()
@@ -325,7 +390,33 @@ def soak(
         throughput=served / seconds,
         single_throughput=single.outcomes["finished"] / seconds,
         kinds=tally.kinds,
+        partial=tally.partial,
+        rejoined=rejoined,
     )
+
+
+def _crash_plan(c: Cluster, crashes: Sequence[tuple[float, str]], busy: threading.Event) -> None:
+    """Kill and restart each worker in turn; traffic goes on until each has rejoined and
+    then carried requests for a few seconds (or a bound passed)."""
+    start = time.monotonic()
+    try:
+        for at, name in crashes:
+            time.sleep(max(0.0, start + at - time.monotonic()))
+            c.kill(name)
+            time.sleep(2.0)
+            c.restart(name)
+            c.wait_rejoined(name, 120.0)
+        time.sleep(8.0 if crashes else 0.0)
+    finally:
+        busy.clear()
+
+
+def _served_since_restart(c: Cluster, name: str) -> bool:
+    """The restarted worker is live and its (new) counters show requests it carried."""
+    addr = c.addr(name)
+    status = c.backend.worker_status(addr)
+    done = 0 if status is None else status.finished + status.rejected + status.aborted
+    return addr not in c.backend.dead_workers() and done > 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -52,3 +52,27 @@ def test_the_soak_finds_crossings_with_the_ledger_check_off(hardening_checkpoint
         baseline=False,
     )
     assert r.crossings, f"no crossing found with the defences off: {r}"
+
+
+def test_kill_9_a_prefill_and_a_decode_worker_under_the_soak(hardening_checkpoint: Path) -> None:
+    """Two workers per role; prefill-0 and then decode-0 are killed -9 and restarted.
+
+    Requests on the dead worker end with an error (a 503, or an SSE error event), never a
+    200 without the whole answer; the others complete; each restarted worker rejoins and
+    carries requests; once quiet no page is in use and every worker's ledger is ok; the
+    client's counts per outcome still equal the server's.
+    """
+    r = soak(
+        hardening_checkpoint,
+        seconds=30,
+        tenants=32,
+        baseline=False,
+        crashes=[(6.0, "prefill-0"), (16.0, "decode-0")],
+    )
+    print(
+        f"crash soak: {r.requests} requests, outcomes {dict(r.client)}, rejoined {r.rejoined}, "
+        f"integrity {r.integrity}"
+    )
+    assert r.problems == [], r.problems
+    assert r.client["failed"] > 0, "no request was in flight on a killed worker"
+    assert r.served > 0 and len(r.integrity) == 4

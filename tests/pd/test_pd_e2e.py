@@ -50,7 +50,7 @@ def _complete(client: openai.OpenAI, model: str, prompt: str) -> str:
     return r.choices[0].text
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("transport", ["tcp", "shm", "mooncake", "nixl"])
 def test_disaggregated_equals_single_process(pd_checkpoint: Path, transport: str) -> None:
     expected = _single_process_texts(pd_checkpoint)
     with cluster(pd_checkpoint, kind="llama", transport=transport) as c:
@@ -128,10 +128,11 @@ def test_decode_death_fails_its_requests_only(pd_checkpoint: Path) -> None:
         assert set(reports.values()) == {"ok"} and c.inboxes["decode-0"] not in reports
 
 
-def test_prefill_frozen_then_dead_never_lands_late(pd_checkpoint: Path) -> None:
+@pytest.mark.parametrize("transport", ["tcp", "mooncake", "nixl"])
+def test_prefill_frozen_then_dead_never_lands_late(pd_checkpoint: Path, transport: str) -> None:
     """A prefill worker stops mid-request: the request fails with an error and decode's pages
     are released only once no transfer can land (I7); when it wakes, its late transfer is refused."""
-    with cluster(pd_checkpoint, kind="mirror", n_prefill=2) as c:
+    with cluster(pd_checkpoint, kind="mirror", n_prefill=2, transport=transport) as c:
         c.signal("prefill-0", signal.SIGSTOP)
         client = c.client()
         outcomes = []

@@ -17,7 +17,13 @@ from transfer_children import GEOM, PROMPT, Job, dying_tcp_sender, source_pool
 from kvfence.faults import Fault, FaultSet
 from kvfence.kv.pool import KVPool, PageHandle
 
-IN_PLACE = ["inprocess", pytest.param("shm", marks=pytest.mark.slow)]
+IN_PLACE = [
+    "inprocess",
+    pytest.param("shm", marks=pytest.mark.slow),
+    # Real engines that know no pages: a late write lands wherever the grant said.
+    pytest.param("mooncake", marks=pytest.mark.slow),
+    pytest.param("nixl", marks=pytest.mark.slow),
+]
 MARKER = 7.0  # the other owner's own KV
 
 
@@ -82,8 +88,10 @@ def test_abort_during_transfer(transport: str, early_free: bool) -> None:
 
 
 @pytest.mark.slow
-def test_a_dead_shm_sender_counts_as_cancelled() -> None:
-    decode = Decode("shm")
+@pytest.mark.parametrize("transport", ["shm", "mooncake", "nixl"])
+def test_a_dead_in_place_sender_counts_as_cancelled(transport: str) -> None:
+    """A prefill dying between the grant and the end of its writes (kill prefill mid-transfer)."""
+    decode = Decode(transport)
     try:
         res = decode.reserve("orphan")
         with prefill(decode, [job(res, seed=2, hold="die")]) as conn:

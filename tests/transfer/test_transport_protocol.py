@@ -76,17 +76,17 @@ def _manifest_for(decode: Decode, room: str, dest: tuple[tuple[int, int], ...]) 
 
 
 def test_registry_names_and_plug_in() -> None:
-    assert transport_names() == ["inprocess", "shm", "tcp"]
+    assert transport_names() == ["inprocess", "mooncake", "nixl", "shm", "tcp"]
     assert isinstance(get_transport("inprocess"), InProcessTransport)
-    with pytest.raises(ValueError, match="known: inprocess, shm, tcp"):
-        get_transport("nixl")
+    with pytest.raises(ValueError, match="known: inprocess, mooncake, nixl, shm, tcp"):
+        get_transport("gpu-rdma")
     registry = builtin_registry()
-    registry.register_transport("nixl", InProcessTransport)  # a stand-in for a GPU backend
-    transport: KVTransport = registry.get_transport("nixl")
+    registry.register_transport("gpu-rdma", InProcessTransport)  # a stand-in for a new backend
+    transport: KVTransport = registry.get_transport("gpu-rdma")
     assert isinstance(transport, InProcessTransport)
     with pytest.raises(ValueError, match="already registered"):
         registry.register_transport("tcp", InProcessTransport)
-    assert "nixl" not in transport_names()  # registries are values, not global state
+    assert "gpu-rdma" not in transport_names()  # registries are values, not global state
     assert TransportRegistry().names() == []
 
 

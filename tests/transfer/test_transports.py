@@ -17,6 +17,8 @@ TRANSPORTS = [
     "inprocess",
     pytest.param("tcp", marks=pytest.mark.slow),
     pytest.param("shm", marks=pytest.mark.slow),
+    pytest.param("mooncake", marks=pytest.mark.slow),
+    pytest.param("nixl", marks=pytest.mark.slow),
 ]
 
 

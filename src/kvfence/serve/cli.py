@@ -139,7 +139,7 @@ def _is_loopback(host: str) -> bool:
     type=click.Choice(CROSS_PROCESS),
     default=default_of(WorkerSpec, "transport"),
     show_default=True,
-    help="KV transport between prefill and decode processes",
+    help="KV transport between prefill and decode processes (mooncake, nixl: the pd extra)",
 )
 @click.option(
     "--role",

@@ -52,7 +52,8 @@ from kvfence.serve.transfer.registry import get_transport, transport_names
 
 log = logging.getLogger(__name__)
 
-# Every registered transport but the in-process one can join two processes.
+# Every registered transport but the in-process one joins two processes (mooncake and nixl
+# need the `pd` extra).
 CROSS_PROCESS = tuple(n for n in transport_names() if n != InProcessTransport.name)
 STATUS_INTERVAL_S = 0.5
 IDLE_POLL_MS = 20

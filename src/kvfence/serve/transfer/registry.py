@@ -7,6 +7,8 @@ from typing import Any
 
 from kvfence.serve.transfer.base import KVTransport
 from kvfence.serve.transfer.inprocess import InProcessTransport
+from kvfence.serve.transfer.mooncake import MooncakeTransport
+from kvfence.serve.transfer.nixl import NixlTransport
 from kvfence.serve.transfer.shm import ShmTransport
 from kvfence.serve.transfer.tcp import TcpTransport
 
@@ -42,12 +44,15 @@ def builtin_registry() -> TransportRegistry:
             InProcessTransport.name: InProcessTransport,
             TcpTransport.name: TcpTransport,
             ShmTransport.name: ShmTransport,
+            # Real transfer engines (the `pd` extra; imported when first used).
+            MooncakeTransport.name: MooncakeTransport,
+            NixlTransport.name: NixlTransport,
         }
     )
 
 
 def get_transport(name: str, **options: Any) -> KVTransport:
-    """A built-in transport by name: "inprocess", "tcp" or "shm"."""
+    """A built-in transport by name: "inprocess", "tcp", "shm", "mooncake" or "nixl"."""
     return builtin_registry().get_transport(name, **options)
 
 

@@ -1,0 +1,200 @@
+"""The grant handshake for backends whose engine writes decode's memory (Mooncake, NIXL).
+
+The transfer engine moves bytes between registered buffers and knows nothing
+of pages, rooms or tenants: a write to any address inside decode's registered
+pool succeeds. So kvfence keeps every fence above it, on a control socket:
+
+  sender -> B(manifest)   may I write this room's pages?
+  decode -> G | D(why)    granted only for an expected room whose reserved
+                          handles are exactly the manifest's destination pages
+  sender's engine writes the granted pages (descriptors from `copy_runs`)
+  end of transfer         the engine's completion reaches decode with the
+                          checksum the sender computed over what it sent:
+                          an E frame (Mooncake) or the WRITE's notification (NIXL)
+
+Decode learns what landed only from the end; it then checksums its own pages
+(`Landed.checksum is None`) and reconciles (I3). A sender whose control
+socket closes between the grant and the end is dead: its rooms are confirmed
+ended (I7) and only then may their released pages be reused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import socket
+import threading
+from abc import abstractmethod
+from typing import Any
+
+from kvfence.engine.messages import MessageError, TransferManifest, decode_message, encode_message
+from kvfence.engine.reconcile import StreamChecksum, byte_views
+from kvfence.kv.pool import KVPool
+from kvfence.serve.transfer import framing
+from kvfence.serve.transfer.base import InPlaceSender, TransferRefused, TransportClosed
+from kvfence.serve.transfer.layout import Outgoing, PoolShape
+from kvfence.serve.transfer.listener import ListeningReceiver, tune
+
+log = logging.getLogger(__name__)
+
+
+def storage_addresses(pool: KVPool) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(address, bytes) of the pool's K and V storage, checked contiguous CPU memory."""
+    views = byte_views(pool)  # raises for storage an engine cannot address
+    return (
+        (pool.k.data_ptr(), len(views[0])),
+        (pool.v.data_ptr(), len(views[1])),
+    )
+
+
+def source_checksum(out: Outgoing) -> str:
+    """The checksum of what the manifest promises: the canonical source runs, in order."""
+    views = byte_views(out.src_pool)
+    h = StreamChecksum()
+    for kind, off, n in out.canonical:
+        h.update(views[kind][off : off + n])
+    return h.hexdigest()
+
+
+def end_body(room: str, checksum: str) -> bytes:
+    return json.dumps({"room": room, "checksum": checksum}).encode()
+
+
+def parse_end(body: bytes) -> tuple[str, str]:
+    """An end-of-transfer message: the room and the checksum of what the sender wrote."""
+    try:
+        obj = json.loads(body)
+        room, checksum = obj["room"], obj["checksum"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise TransportClosed(f"malformed end-of-transfer message: {e}") from None
+    if not isinstance(room, str) or not isinstance(checksum, str):
+        raise TransportClosed("malformed end-of-transfer message: room and checksum are strings")
+    return room, checksum
+
+
+class GrantingReceiver(ListeningReceiver):
+    """Decode's half: grants rooms on the control socket; the engine writes the pages."""
+
+    def __init__(self, pool: KVPool, host: str = "127.0.0.1", port: int = 0) -> None:
+        # room -> (manifest, the granted sender's engine identity, "" where it has none)
+        self._granted: dict[str, tuple[TransferManifest, str]] = {}
+        self._granted_lock = threading.Lock()
+        super().__init__(pool, host, port)
+
+    @abstractmethod
+    def engine_hello(self) -> dict[str, Any]:
+        """What a sender's engine needs to address decode's registered pool."""
+
+    def hello(self) -> dict[str, Any]:
+        return {**super().hello(), **self.engine_hello()}
+
+    def peer_frame(self, kind: bytes, body: bytes, peer: dict[str, str]) -> bool:
+        """A backend's own control frame (e.g. the sender's engine identity); False if unknown."""
+        return False
+
+    def serve(self, conn: socket.socket, granted: set[str]) -> None:
+        peer: dict[str, str] = {}
+        try:
+            while True:
+                try:
+                    kind, body, payload_len = framing.recv_frame(conn)
+                except TransportClosed:
+                    return
+                if payload_len:
+                    raise TransportClosed("a control frame carries no payload")
+                if kind == framing.BEGIN:
+                    self._begin(conn, body, granted, peer.get("engine", ""))
+                elif kind == framing.END:
+                    room, checksum = parse_end(body)
+                    if room not in granted:
+                        raise TransportClosed(f"end of room {room!r} that was never granted here")
+                    # False where the engine's own notification already ended it (NIXL).
+                    self.finish(room, checksum, peer.get("engine", ""))
+                    granted.discard(room)
+                elif not self.peer_frame(kind, body, peer):
+                    raise TransportClosed(f"unexpected control frame {kind!r}")
+        finally:
+            with self._granted_lock:  # the caller confirms these rooms ended (I7)
+                for room in granted:
+                    self._granted.pop(room, None)
+
+    def _begin(self, conn: socket.socket, body: bytes, granted: set[str], engine: str) -> None:
+        try:
+            msg = decode_message(body)
+        except MessageError as e:
+            framing.send_frame(conn, framing.DENY, f"malformed manifest: {e}".encode())
+            return
+        if not isinstance(msg, TransferManifest):
+            framing.send_frame(conn, framing.DENY, b"expected a TransferManifest")
+            return
+        why = self.book.grant(msg)
+        if why is not None:
+            framing.send_frame(conn, framing.DENY, why.encode())
+            return
+        with self._granted_lock:
+            self._granted[msg.room] = (msg, engine)
+        granted.add(msg.room)
+        framing.send_frame(conn, framing.GRANT, b"")
+
+    def finish(self, room: str, checksum: str, engine: str = "") -> bool:
+        """The completion for a granted room; False unless that room was granted to `engine`.
+
+        Only the sender the room was granted to can end it: an end from anyone
+        else would open the pages for reuse while the real writer still writes (I7).
+        """
+        with self._granted_lock:
+            entry = self._granted.get(room)
+            if entry is None or entry[1] != engine:
+                return False
+            del self._granted[room]
+        self.book.landed(dataclasses.replace(entry[0], checksum=checksum), None)
+        return True
+
+
+class GrantedSender(InPlaceSender):
+    """Prefill's half: asks for the grant, then has its engine write the granted pages."""
+
+    def __init__(self, address: str, scheme: str) -> None:
+        host, port = framing.parse_address(address, scheme)
+        self._sock = socket.create_connection((host, port))
+        tune(self._sock)
+        kind, body, _ = framing.recv_frame(self._sock)
+        if kind != framing.HELLO:
+            raise TransportClosed(f"expected a hello from {address}, got {kind!r}")
+        self.hello = json.loads(body)
+        self._shape = PoolShape.from_json(self.hello)
+
+    @property
+    def dest_shape(self) -> PoolShape:
+        return self._shape
+
+    def begin(self, out: Outgoing) -> None:
+        framing.send_frame(self._sock, framing.BEGIN, encode_message(out.manifest))
+        kind, body, _ = framing.recv_frame(self._sock)
+        if kind == framing.DENY:
+            raise TransferRefused(body.decode(errors="replace"))
+        if kind != framing.GRANT:
+            raise TransportClosed(f"expected a grant, got {kind!r}")
+
+    def complete(self, out: Outgoing) -> None:
+        checksum = source_checksum(out)
+        out.manifest = dataclasses.replace(out.manifest, checksum=checksum)
+        failure = self.write(out, end_body(out.manifest.room, checksum))
+        if failure is not None:
+            # Some bytes may have landed: decode must see the room end and fail it, never
+            # wait; a checksum no payload has makes its reconciliation refuse (I3).
+            framing.send_frame(
+                self._sock, framing.END, end_body(out.manifest.room, f"failed: {failure}")
+            )
+            raise TransportClosed(f"transfer engine write failed: {failure}")
+
+    @abstractmethod
+    def write(self, out: Outgoing, end: bytes) -> str | None:
+        """Have the engine write the copy runs and signal the end; None, or why it failed."""
+
+    def send_end(self, end: bytes) -> None:
+        framing.send_frame(self._sock, framing.END, end)
+
+    def close(self) -> None:
+        self._sock.close()

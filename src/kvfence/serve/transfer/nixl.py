@@ -1,0 +1,185 @@
+"""NIXL backend (UCX): prefill's agent WRITEs decode's registered pool, with a notification.
+
+Decode's K/V storage is registered with a NIXL agent as DRAM (VRAM on GPU
+pools). The hello carries the agent's metadata and the base addresses of K
+and V; a sender adds decode's agent (`add_remote_agent`) and names its own
+agent on the control socket (an `A` frame). A granted transfer is one WRITE
+whose descriptors are the copy runs and whose notification carries the room
+and the checksum of what was sent; decode's `poll` collects notifications and
+ends a room only on one from the agent the room was granted to. The E frame
+the sender sends after the WRITE completes ends it otherwise (whichever comes
+first); a closed control socket before either is a dead sender (I7).
+
+NIXL refuses a write outside every registered range (NIXL_ERR_NOT_FOUND) but,
+like Mooncake, knows no pages: the grant, the inbound windows (I7) and
+reconciliation (I3) stay in kvfence (`granted.py`).
+
+Needs `nixl-cu12` (installed with --no-deps: its core, UCX and POSIX plugins
+link no CUDA library; `make pd`).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+import uuid
+import weakref
+from typing import Any
+
+import numpy as np
+
+from kvfence.kv.pool import KVPool
+from kvfence.serve.transfer import framing
+from kvfence.serve.transfer.base import Event, KVTransport, TransportClosed
+from kvfence.serve.transfer.granted import (
+    GrantedSender,
+    GrantingReceiver,
+    parse_end,
+    storage_addresses,
+)
+from kvfence.serve.transfer.layout import Outgoing
+
+log = logging.getLogger(__name__)
+
+AGENT = b"A"  # sender -> decode: the name of the sender's NIXL agent
+
+
+class NixlAgent:
+    """One NIXL agent (UCX) and the host memory registered with it; calls are serialised."""
+
+    def __init__(self, role: str) -> None:
+        from nixl_cu12 import nixl_agent, nixl_agent_config  # `make pd`
+
+        self.name = f"kvfence-{role}-{uuid.uuid4().hex[:12]}"
+        self._agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        self._pools: dict[int, tuple[tuple[tuple[int, int], tuple[int, int]], Any]] = {}
+        self._lock = threading.Lock()
+
+    def register(self, pool: KVPool) -> tuple[tuple[int, int], tuple[int, int]]:
+        """Register the pool's K and V storage as DRAM while the pool lives (see mooncake.py)."""
+        with self._lock:
+            known = self._pools.get(id(pool))
+            if known is not None:
+                return known[0]
+            regions = storage_addresses(pool)
+            descs = self._agent.register_memory([(a, n, 0, "") for a, n in regions], "DRAM")
+            self._pools[id(pool)] = (regions, descs)
+        weakref.finalize(pool, self._unregister, id(pool)).atexit = False
+        return regions
+
+    def _unregister(self, key: int) -> None:
+        with self._lock:
+            known = self._pools.pop(key, None)
+            if known is not None:
+                self._agent.deregister_memory(known[1])
+
+    def metadata(self) -> str:
+        with self._lock:
+            return base64.b64encode(self._agent.get_agent_metadata()).decode()
+
+    def add_remote(self, metadata: str) -> str:
+        with self._lock:
+            name = self._agent.add_remote_agent(base64.b64decode(metadata))
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def write(self, remote: str, src: np.ndarray, dst: np.ndarray, notif: bytes) -> str:
+        """One WRITE of (address, length, 0) rows with a notification; "DONE" or "ERR"."""
+        with self._lock:
+            local = self._agent.get_xfer_descs(src, "DRAM")
+            far = self._agent.get_xfer_descs(dst, "DRAM")
+            handle = self._agent.initialize_xfer("WRITE", local, far, remote, notif)
+            state = self._agent.transfer(handle)
+        try:
+            while state == "PROC":
+                with self._lock:
+                    state = self._agent.check_xfer_state(handle)
+            return str(state)
+        finally:
+            with self._lock:
+                self._agent.release_xfer_handle(handle)
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """(sending agent, message) received since the last call; never blocks."""
+        with self._lock:
+            notifs = self._agent.get_new_notifs()
+        return [(str(agent), msg) for agent, msgs in notifs.items() for msg in msgs]
+
+
+class NixlReceiver(GrantingReceiver):
+    scheme = "nixl"
+
+    def __init__(self, pool: KVPool, agent: NixlAgent, host: str, port: int) -> None:
+        self._agent = agent
+        (self._k_addr, _), (self._v_addr, _) = agent.register(pool)
+        self._metadata = agent.metadata()
+        super().__init__(pool, host, port)
+
+    def engine_hello(self) -> dict[str, Any]:
+        return {"metadata": self._metadata, "k_addr": self._k_addr, "v_addr": self._v_addr}
+
+    def peer_frame(self, kind: bytes, body: bytes, peer: dict[str, str]) -> bool:
+        if kind != AGENT or "engine" in peer:
+            return False
+        peer["engine"] = body.decode(errors="replace")
+        return True
+
+    def poll(self) -> list[Event]:
+        for agent, msg in self._agent.notifications():
+            try:
+                room, checksum = parse_end(msg)
+            except TransportClosed as e:
+                log.warning("ignored a NIXL notification from %s: %s", agent, e)
+                continue
+            if not self.finish(room, checksum, agent):
+                # Already ended by its E frame, or not granted to this agent: ignored.
+                log.debug("no open grant of room %r for agent %s", room, agent)
+        return super().poll()
+
+
+class NixlSender(GrantedSender):
+    def __init__(self, address: str, agent: NixlAgent) -> None:
+        super().__init__(address, "nixl")
+        self._agent = agent
+        self._remote = agent.add_remote(str(self.hello["metadata"]))
+        self._dst_base = (int(self.hello["k_addr"]), int(self.hello["v_addr"]))
+        framing.send_frame(self._sock, AGENT, agent.name.encode())
+
+    def write(self, out: Outgoing, end: bytes) -> str | None:
+        src_base = tuple(addr for addr, _ in self._agent.register(out.src_pool))
+        runs = out.copy_runs()
+        if not runs:
+            self.send_end(end)
+            return None
+        rows = np.asarray(runs, dtype=np.int64)  # kind, src offset, dst offset, length
+        kinds, lengths = rows[:, 0], rows[:, 3]
+        zeros = np.zeros(len(rows), dtype=np.int64)
+        src = np.stack([np.asarray(src_base)[kinds] + rows[:, 1], lengths, zeros], axis=1)
+        dst = np.stack([np.asarray(self._dst_base)[kinds] + rows[:, 2], lengths, zeros], axis=1)
+        state = self._agent.write(self._remote, src, dst, end)
+        if state != "DONE":
+            return f"NIXL WRITE ended in state {state}"
+        # The notification may end the room first; the E frame is the ordered confirmation,
+        # so a sender that closes right after its write is never counted dead mid-transfer.
+        self.send_end(end)
+        return None
+
+
+class NixlTransport(KVTransport):
+    name = "nixl"
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.host = host
+        self.port = port
+        self._agents: dict[str, NixlAgent] = {}  # one per role, shared by that role's halves
+
+    def agent(self, role: str) -> NixlAgent:
+        if role not in self._agents:
+            self._agents[role] = NixlAgent(role)
+        return self._agents[role]
+
+    def receiver(self, pool: KVPool) -> NixlReceiver:
+        return NixlReceiver(pool, self.agent("decode"), self.host, self.port)
+
+    def sender(self, address: str) -> NixlSender:
+        return NixlSender(address, self.agent("prefill"))
