@@ -23,8 +23,8 @@ demo: $(STAMP)
 	$(BIN)/kvfence
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench examples
+	$(BIN)/ruff format --check src tests bench examples
 	$(BIN)/mypy
 
 # The whole suite, peers and browser included: installed here (cached), so none of it skips.

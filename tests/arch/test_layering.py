@@ -69,6 +69,29 @@ def layer_violations(layer: str, root: Path = SRC) -> list[str]:
     return out
 
 
+# Test-only libraries: only the pool harness, which users run in their own tests, uses one.
+TEST_ONLY = ("hypothesis", "pytest")
+TEST_ONLY_OK = {"kv/harness.py"}
+
+
+def imports_of_test_libraries(root: Path = SRC) -> list[str]:
+    return [
+        f"{path.relative_to(root)}: imports {name}"
+        for path in sorted(root.rglob("*.py"))
+        if str(path.relative_to(root)) not in TEST_ONLY_OK
+        for name in imported_modules(path)
+        if name.split(".")[0] in TEST_ONLY
+    ]
+
+
+def test_test_libraries_stay_in_the_harness(tmp_path: Path) -> None:
+    assert imports_of_test_libraries() == []
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / "harness.py").write_text("import hypothesis\n")
+    (tmp_path / "kv" / "pool.py").write_text("from hypothesis import given\n")
+    assert imports_of_test_libraries(tmp_path) == ["kv/pool.py: imports hypothesis"]
+
+
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))
 def test_layer_imports_point_down_only(layer: str) -> None:
     files = [SRC / layer] if layer.endswith(".py") else list((SRC / layer).rglob("*.py"))

@@ -148,7 +148,10 @@ BAD: dict[str, tuple[bytes, str]] = {
     "unknown-type": (raw("Shutdown", {}), "unknown message type 'Shutdown'"),
     "type-not-a-string": (raw(["Abort"], {}), "unknown message type"),
     "body-not-object": (raw("Abort", [1]), "body must be an object"),
-    "wrong-version": (raw("Abort", {"room": "r", "reason": "x", "version": 2}), "version 2"),
+    "wrong-version": (
+        raw("Abort", {"room": "r", "reason": "x", "version": PROTOCOL_VERSION + 1}),
+        f"version {PROTOCOL_VERSION + 1}",
+    ),
     "missing-field": (raw("Abort", {"room": "r"}), "Abort"),
     "unknown-field": (raw("Abort", {"room": "r", "reason": "x", "admin": True}), "unknown fields"),
     "unknown-nested-field": (

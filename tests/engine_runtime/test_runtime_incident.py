@@ -45,8 +45,8 @@ def test_incident_profile_leaks_another_tenants_tokens(models: Models) -> None:
     assert len(b.token_ids) == 40
     assert len(leaked) >= 8  # A's sentinel tokens, verbatim, in B's answer
     # The rest of the system saw nothing wrong: that is the bug.
-    stats = pipe.stats()
-    assert stats.isolation_violations == stats.transfer_mismatches == stats.requests_failed == 0
+    stats = pipe.stats().counters
+    assert stats.isolation_violations == stats.transfer_mismatches == stats.failed == 0
 
 
 def test_default_faultset_rejects_with_the_original_error_and_allocates_nothing(
@@ -56,7 +56,7 @@ def test_default_faultset_rejects_with_the_original_error_and_allocates_nothing(
     assert leaked == [] and b.token_ids == []
     assert b.error is not None and b.error.status == 400
     assert "prompt has 100 tokens; this prefill pool holds at most 64 tokens" in b.error.message
-    assert pipe.stats().requests_rejected == 1
+    assert pipe.stats().counters.rejected == 1
     assert pipe.prefill.counters.computed_tokens == len(SENTINEL)  # B was never computed
     assert_quiet_and_empty(pipe)
 
@@ -64,7 +64,7 @@ def test_default_faultset_rejects_with_the_original_error_and_allocates_nothing(
 @pytest.mark.parametrize(
     ("defence_on", "status", "counter"),
     [
-        (Fault.ABORT_NOT_TERMINAL, 400, "requests_rejected"),
+        (Fault.ABORT_NOT_TERMINAL, 400, "rejected"),
         (Fault.DECODE_TRUSTS_BOOTSTRAP, 502, "transfer_mismatches"),
         (Fault.NO_LEDGER_CHECK, 500, "isolation_violations"),
     ],
@@ -78,7 +78,7 @@ def test_any_single_defence_turns_the_leak_into_a_clean_error(
     # placeholder) may stream before the first decode step fails loudly.
     assert leaked == [] and set(b.token_ids) <= set(OVERLONG[:1])
     assert b.error is not None and b.error.status == status
-    assert getattr(pipe.stats(), counter) == 1
+    assert getattr(pipe.stats().counters, counter) == 1
     assert_quiet_and_empty(pipe)
 
 
@@ -107,7 +107,7 @@ def test_forged_short_manifest_is_refused(models: Models) -> None:
     assert b.error is not None and b.error.status == 502  # type: ignore[attr-defined]
     assert "num_tokens" in b.error.message  # type: ignore[attr-defined]
     assert b.token_ids == [] and leaked == []  # type: ignore[attr-defined]
-    assert pipe.stats().transfer_mismatches == 1
+    assert pipe.stats().counters.transfer_mismatches == 1
     assert_quiet_and_empty(pipe)
 
 
@@ -125,7 +125,7 @@ def test_decode_trusting_bootstrap_alone_is_stopped_by_the_ledger(models: Models
     pipe, b, leaked = forged_run(models, FaultSet.of(Fault.DECODE_TRUSTS_BOOTSTRAP))
     assert b.error is not None and b.error.status == 500  # type: ignore[attr-defined]
     assert leaked == []
-    assert pipe.stats().isolation_violations == 1
+    assert pipe.stats().counters.isolation_violations == 1
     assert_quiet_and_empty(pipe)
 
 
@@ -145,5 +145,5 @@ def test_a_violation_fails_only_the_offending_row(models: Models) -> None:
     assert good.wait(0).token_ids == good_prompt[:20]
     err = bad.wait(0).error
     assert err is not None and err.status == 500 and "isolation violation" in err.message
-    assert pipe.stats().isolation_violations == 1
+    assert pipe.stats().counters.isolation_violations == 1
     pipe.check_integrity()

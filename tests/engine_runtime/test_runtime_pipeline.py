@@ -28,8 +28,8 @@ def test_every_tenant_gets_its_own_echo(models: Models) -> None:
         assert r.error is None
         assert r.token_ids == p  # the mirror replays exactly the KV it attends: its own prompt
         assert r.finish_reason == "length"
-    stats = pipe.stats()
-    assert stats.requests_finished == 12
+    stats = pipe.stats().counters
+    assert stats.finished == 12
     assert stats.generation_tokens == sum(len(p) for p in ps)
     assert stats.isolation_violations == stats.transfer_mismatches == 0
     assert_quiet_and_empty(pipe)
@@ -85,7 +85,7 @@ def test_pool_exhaustion_queues_instead_of_failing(models: Models) -> None:
     for p, s in zip(ps, sinks, strict=True):
         r = s.wait(0)
         assert r.error is None and r.token_ids == p[:20]
-    assert pipe.stats().requests_failed == 0
+    assert pipe.stats().counters.failed == 0
     assert_quiet_and_empty(pipe)
 
 
@@ -135,7 +135,7 @@ def assert_abort_at_stage_leaves_ledger_clean(models: Models, stage: str) -> Non
     assert len([e for e in v_sink.events if e.room == "v" and not hasattr(e, "token_ids")]) == 1
     if b_sink is not None:
         assert b_sink.wait(0).error is None  # the other request is unaffected
-    assert pipe.stats().requests_aborted == 1
+    assert pipe.stats().counters.aborted == 1
     assert_quiet_and_empty(pipe)
 
 
@@ -150,7 +150,7 @@ def test_abort_of_unknown_or_finished_room_is_harmless(models: Models) -> None:
     pipe.abort("r", "late")
     pipe.abort("nobody", "typo")
     pipe.drive()
-    assert r.token_ids == [5, 6, 7] and pipe.stats().requests_aborted == 0
+    assert r.token_ids == [5, 6, 7] and pipe.stats().counters.aborted == 0
     assert_quiet_and_empty(pipe)
 
 

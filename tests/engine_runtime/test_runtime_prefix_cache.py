@@ -72,7 +72,7 @@ def test_pages_enter_the_cache_only_after_their_forward(models: Models) -> None:
     assert pipe.prefill.cache.num_pages == 2
     pipe.drive()
     assert pipe.prefill.cache.num_pages == 4
-    stats = pipe.stats()
+    stats = pipe.stats().counters
     assert stats.prefix_cache_queried_tokens == len(PROMPT) and stats.prefix_cache_hit_tokens == 0
 
 

@@ -90,11 +90,11 @@ def test_a_short_transfer_is_refused_unless_decode_trusts_the_bootstrap(
     # Trusted, the row starts: its first token (prefilled from its own prompt) may stream.
     assert r.token_ids == ([10] if trusts else [])
     if trusts:
-        assert r.error.status == 500 and pipe.stats().transfer_mismatches == 0
-        assert pipe.stats().isolation_violations == 1
+        assert r.error.status == 500 and pipe.stats().counters.transfer_mismatches == 0
+        assert pipe.stats().counters.isolation_violations == 1
     else:
         assert r.error.status == 502 and "num_tokens" in r.error.message
-        assert pipe.stats().transfer_mismatches == 1
+        assert pipe.stats().counters.transfer_mismatches == 1
     assert_quiet_and_empty(pipe)
 
 
@@ -108,7 +108,7 @@ def test_a_transfer_after_decode_gave_up_is_refused_before_it_writes(models: Mod
     assert pipe.decode.seqs["ra"].req.state is RequestState.BOOTSTRAPPING
     pipe.decode.abort("ra", "client gone")
     pipe.drive()
-    assert pipe.stats().transfer_failures == 1  # refused at the grant
+    assert pipe.stats().counters.transfer_failures == 1  # refused at the grant
     assert not pipe.decode_pool.written.any()  # nothing landed anywhere
     assert_quiet_and_empty(pipe)
 

@@ -152,7 +152,7 @@ def test_prefill_frozen_then_dead_never_lands_late(pd_checkpoint: Path, transpor
         for i in range(4):
             assert _complete(client, c.model, f"after {i}")
         decode = c.backend.worker_status(c.inboxes["decode-0"])
-        assert decode is not None and decode.isolation_violations == 0
+        assert decode is not None and decode.counters.isolation_violations == 0
         assert set(c.wait_quiet().values()) == {"ok"}
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvfence.engine.counters import Counters
 from kvfence.engine.messages import (
     Bootstrap,
     Failure,
@@ -76,19 +77,9 @@ class PoolInfo:
 
 @dataclass(frozen=True, slots=True)
 class BackendStats:
-    """Counters since start. Isolation violations and transfer mismatches must stay 0 in production."""
+    """The backend's counts since start (the router's view of outcomes) and its live pools."""
 
-    requests_finished: int = 0
-    requests_rejected: int = 0
-    requests_aborted: int = 0
-    requests_failed: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    prefix_cache_queried_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0
-    isolation_violations: int = 0
-    transfer_mismatches: int = 0
-    transfer_failures: int = 0
+    counters: Counters = field(default_factory=Counters)
     pools: tuple[PoolInfo, ...] = field(default_factory=tuple)
 
 

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
-from kvfence.kv.pool import ScrubPolicy
+from kvfence.kv.scrub import ScrubPolicy
+
+
+def default_of(cls: type, name: str) -> Any:
+    """A dataclass field's default: CLIs and builders read theirs from the config, never retype it."""
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if field.default is dataclasses.MISSING:
+        raise ValueError(f"{cls.__name__}.{name} has no default")
+    return field.default
 
 
 @dataclass(frozen=True, slots=True)

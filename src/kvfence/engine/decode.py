@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvfence.engine.config import EngineConfig
+from kvfence.engine.counters import Counters
 from kvfence.engine.inbound import InboundWindow, PoolInbound
 from kvfence.engine.messages import (
     Bootstrap,
@@ -68,18 +69,6 @@ class DecodeOutput:
         return bool(self.ready or self.events)
 
 
-@dataclass(slots=True)
-class DecodeCounters:
-    finished: int = 0
-    failed: int = 0
-    aborted: int = 0
-    rejected: int = 0
-    generation_tokens: int = 0
-    transfer_mismatches: int = 0
-    isolation_violations: int = 0
-    preempted: int = 0  # rows failed because the pool could not grow any row
-
-
 @dataclass(slots=True, eq=False)
 class _Seq:
     req: Request
@@ -120,7 +109,7 @@ class DecodeEngine:
         self.queued: deque[_Seq] = deque()  # bootstraps waiting for pages
         self.seqs: dict[str, _Seq] = {}
         self.running: list[_Seq] = []  # DECODING, in admission order
-        self.counters = DecodeCounters()
+        self.counters = Counters()
         self._out = DecodeOutput()
 
     # ---- bootstrap ----------------------------------------------------------------------

@@ -22,10 +22,12 @@ import dataclasses
 import json
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 1
+from kvfence.engine.counters import Counters
+
+PROTOCOL_VERSION = 2  # 2: WorkerStatus carries its counts as one nested `Counters`
 
 
 class MessageError(ValueError):
@@ -174,16 +176,7 @@ class WorkerStatus:
     pages_used: int
     pages_free: int
     pages_pending: int
-    finished: int = 0
-    rejected: int = 0
-    aborted: int = 0
-    failed: int = 0
-    generation_tokens: int = 0
-    prefix_cache_queried_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0
-    isolation_violations: int = 0
-    transfer_mismatches: int = 0
-    transfer_failures: int = 0
+    counters: Counters = field(default_factory=Counters)  # this worker's role's counts
     # "ok" when the worker was quiet and its ledger passed check_integrity(); the
     # AssertionError text when it did not; "" when busy (not checked this time).
     integrity: str = ""
@@ -220,6 +213,7 @@ _NESTED: dict[str, type] = {
     "SamplingParams": SamplingParams,
     "ErrorInfo": ErrorInfo,
     "PageRef": PageRef,
+    "Counters": Counters,
 }
 
 

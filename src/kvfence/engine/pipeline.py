@@ -17,6 +17,7 @@ there is nothing to do. Every request ends exactly once at its sink: its last
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Iterable
@@ -154,25 +155,18 @@ class LocalPipeline:
             self._cond.notify_all()
 
     def stats(self) -> BackendStats:
-        p, d = self.prefill.counters, self.decode.counters
         cache = self.prefill.cache
-        return BackendStats(
-            requests_finished=d.finished,
-            requests_rejected=p.rejected + d.rejected,
-            requests_aborted=self.rooms.aborted,
-            requests_failed=p.failed + d.failed,
+        engines = self.prefill.counters + self.decode.counters
+        counters = dataclasses.replace(
+            engines,
+            aborted=self.rooms.aborted,  # the router role's count: each request once
             prompt_tokens=self.rooms.prompt_tokens,
-            generation_tokens=d.generation_tokens,
             prefix_cache_queried_tokens=cache.queried_tokens,
             prefix_cache_hit_tokens=cache.hit_tokens,
-            isolation_violations=p.isolation_violations + d.isolation_violations,
-            transfer_mismatches=d.transfer_mismatches,
             transfer_failures=self._transfer_failures,
-            pools=(
-                _pool_info("prefill", self.prefill_pool),
-                _pool_info("decode", self.decode_pool),
-            ),
         )
+        pools = (_pool_info("prefill", self.prefill_pool), _pool_info("decode", self.decode_pool))
+        return BackendStats(counters, pools)
 
     # ---- for tests and operators (call at a quiescent point) --------------------------------
 

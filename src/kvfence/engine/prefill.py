@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvfence.engine.config import EngineConfig
+from kvfence.engine.counters import Counters
 from kvfence.engine.messages import (
     Abort,
     ErrorInfo,
@@ -56,16 +57,6 @@ class PrefillOutput:
 
     def __bool__(self) -> bool:
         return bool(self.to_router or self.to_decode or self.transfers)
-
-
-@dataclass(slots=True)
-class PrefillCounters:
-    rejected: int = 0
-    aborted: int = 0
-    failed: int = 0
-    transferred: int = 0
-    computed_tokens: int = 0
-    isolation_violations: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -116,7 +107,7 @@ class PrefillEngine:
         self.running: list[_Seq] = []  # PREFILLING, holding pages
         self.sending: dict[str, _Seq] = {}  # handed to the transport, pages held until confirmed
         self.seqs: dict[str, _Seq] = {}
-        self.counters = PrefillCounters()
+        self.counters = Counters()
         self._out = PrefillOutput()
 
     # ---- inputs -------------------------------------------------------------------------

@@ -1,11 +1,10 @@
-"""Paged KV storage with an ownership ledger (invariants I1, I5, I7).
+"""Paged KV storage: the ownership ledger (kv/ledger.py) plus K/V tensors (I1, I5, I7).
 
-Every page has a ledger row: its state (free / used / pending release), the
-owner namespace id (0 = nobody), a generation counter bumped on every release,
-how many token slots from offset 0 were actually written, and whether an
-inbound transfer may still land in it. The ledger lives in tensors so the
-read check (`verify`) is one vectorised comparison per batch, not a Python
-loop per page.
+Every page has a ledger row (state, owner namespace id, generation bumped on
+every release, inbound flag: `OwnershipLedger`) and, here, how many token
+slots from offset 0 were actually written. The ledger's columns are tensors,
+so the read check (`verify`) is one vectorised comparison per batch, not a
+Python loop per page.
 
 Owners are integer namespace ids handed out by the pool (`register_owner`):
 a request's own pages, or a tenant-scoped prefix-cache namespace. Ids are
@@ -16,54 +15,45 @@ as a tenant's prefix cache re-acquiring the same physical page).
 
 from __future__ import annotations
 
-import enum
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvfence.faults import Fault, FaultSet
 from kvfence.kv.geometry import KVGeometry
+from kvfence.kv.ledger import (
+    FREE_OWNER,
+    Column,
+    IsolationViolation,
+    OwnershipLedger,
+    PoolExhausted,
+    SlotHandle,
+    SlotState,
+)
 from kvfence.kv.scrub import ScrubPolicy
 
-FREE_OWNER = 0
+__all__ = [  # the ledger's names, as the KV engine spells them
+    "FREE_OWNER",
+    "BatchPages",
+    "IsolationViolation",
+    "KVPool",
+    "PageHandle",
+    "PageState",
+    "PoolExhausted",
+    "ScrubPolicy",
+]
+
+PageState = SlotState
+PageHandle = SlotHandle  # a physical page at the generation it was granted, for an owner
+_TORCH_KIND = {"int8": torch.int8, "int64": torch.int64, "bool": torch.bool}
 
 
-class PageState(enum.IntEnum):
-    FREE = 0
-    USED = 1
-    PENDING_RELEASE = 2  # released by its owner, but a transfer may still land (I7)
-
-
-@dataclass(frozen=True, slots=True)
-class PageHandle:
-    """What a reader holds: a physical page at the generation it was granted, for an owner."""
-
-    index: int
-    generation: int
-    owner: int
-
-
-class PoolExhausted(Exception):
-    """An allocation that does not fit. Nothing was allocated."""
-
-    def __init__(self, requested: int, free: int) -> None:
-        super().__init__(f"KV pool exhausted: requested {requested} pages, {free} free")
-        self.requested = requested
-        self.free = free
-
-
-class IsolationViolation(Exception):
-    """A read or release that the ledger does not allow. Fails the request loudly (I1)."""
-
-    def __init__(self, message: str, *, page: int, expected: str, found: str) -> None:
-        super().__init__(
-            f"isolation violation on page {page}: {message} (expected {expected}, found {found})"
-        )
-        self.page = page
-        self.expected = expected
-        self.found = found
+def tensor_column(n: int, kind: str) -> Column:
+    """Ledger columns as CPU tensors, so `verify` reads them in one vectorised gather."""
+    return torch.zeros(n, dtype=_TORCH_KIND[kind])
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +110,15 @@ class BatchPages:
         )
 
 
-class KVPool:
-    """Fixed pages of `page_size` tokens; K and V shaped [layers, pages, page_size, kv_heads, head_dim]."""
+class KVPool(OwnershipLedger):
+    """Fixed pages of `page_size` tokens; K and V shaped [layers, pages, page_size, kv_heads, head_dim].
+
+    The ledger (`OwnershipLedger`) decides who may use which page; this class
+    adds the K/V tensors, the written-slot counts and the vectorised read check.
+    """
+
+    what = "KV pool"
+    unit = "pages"
 
     def __init__(
         self,
@@ -135,11 +132,11 @@ class KVPool:
     ) -> None:
         if num_pages <= 0:
             raise ValueError(f"a KV pool needs at least one page, got {num_pages}")
+        super().__init__(num_pages, faults=faults, column=tensor_column)
         self.geometry = geometry
         self.num_pages = num_pages
         self.page_size = geometry.page_size
         self.scrub = scrub
-        self.faults = faults or FaultSet()
         shape = (
             geometry.num_layers,
             num_pages,
@@ -158,154 +155,50 @@ class KVPool:
                     f"storage shape {tuple(k.shape)} does not match pool shape {shape}"
                 )
             self.k, self.v = k, v
-        # The ledger. Tensors so `verify` is a handful of vectorised ops per batch.
-        self.state = torch.full((num_pages,), int(PageState.FREE), dtype=torch.int8)
-        self.owner = torch.zeros(num_pages, dtype=torch.int64)
-        self.generation = torch.zeros(num_pages, dtype=torch.int64)
-        self.written = torch.zeros(num_pages, dtype=torch.int64)
-        self.inbound = torch.zeros(num_pages, dtype=torch.bool)  # a transfer may still write here
-        self.free_pages: deque[int] = deque(range(num_pages))
-        self._owner_labels: dict[int, str] = {}
-        self._next_owner = FREE_OWNER + 1
-
-    # ---- owners -------------------------------------------------------------------------
-
-    def register_owner(self, label: str) -> int:
-        """A fresh namespace id. Ids are never reused (see module docstring)."""
-        owner = self._next_owner
-        self._next_owner += 1
-        self._owner_labels[owner] = label
-        return owner
-
-    def forget_owner(self, owner: int) -> None:
-        self._owner_labels.pop(owner, None)
-
-    def label(self, owner: int) -> str:
-        if owner == FREE_OWNER:
-            return "nobody"
-        return self._owner_labels.get(owner, f"owner#{owner}")
-
-    # ---- counts -------------------------------------------------------------------------
+        # The ledger's columns are tensors (tensor_column); typed here for the read check.
+        self.state: torch.Tensor
+        self.owner: torch.Tensor
+        self.generation: torch.Tensor
+        self.inbound: torch.Tensor
+        self.written = torch.zeros(num_pages, dtype=torch.int64)  # slots [0, n) hold data
 
     @property
-    def num_free(self) -> int:
-        return len(self.free_pages)
-
-    @property
-    def num_used(self) -> int:
-        return int((self.state == PageState.USED).sum())
-
-    @property
-    def num_pending(self) -> int:
-        return int((self.state == PageState.PENDING_RELEASE).sum())
+    def free_pages(self) -> deque[int]:
+        """The free list (the ledger's `free_slots`): LIFO, the next page handed out is last."""
+        return self.free_slots
 
     @property
     def capacity_tokens(self) -> int:
         return self.num_pages * self.page_size
 
-    def can_allocate(self, n_pages: int) -> bool:
-        return 0 <= n_pages <= len(self.free_pages)
+    # ---- the ledger's hooks: the pages' contents ---------------------------------------------
 
-    # ---- allocate / release ---------------------------------------------------------------
-
-    def allocate(self, owner: int, n_pages: int) -> list[PageHandle]:
-        """All `n_pages` pages for `owner`, or `PoolExhausted` with nothing allocated."""
-        if owner == FREE_OWNER:
-            raise ValueError("cannot allocate pages to the free owner")
-        if n_pages < 0:
-            raise ValueError(f"n_pages must be >= 0, got {n_pages}")
-        if not self.can_allocate(n_pages):
-            raise PoolExhausted(n_pages, len(self.free_pages))
-        # LIFO: the most recently released page is reused first (cache-warm, and
-        # exactly why stale contents must never be readable: I1, I5).
-        indices = [self.free_pages.pop() for _ in range(n_pages)]
+    def _on_allocate(self, indices: list[int]) -> None:
         idx = torch.tensor(indices, dtype=torch.int64)
-        self.state[idx] = int(PageState.USED)
-        self.owner[idx] = owner
         self.written[idx] = 0
         if self.scrub is ScrubPolicy.ON_ALLOCATE:
             self._zero(idx)
-        gens = self.generation[idx].tolist()
-        return [PageHandle(i, g, owner) for i, g in zip(indices, gens, strict=True)]
 
-    def release(self, handles: Iterable[PageHandle]) -> None:
-        """Give pages back. Invalidates (I5): owner cleared, generation bumped.
+    def _on_invalidate(self, index: int) -> None:
+        self.written[index] = 0
 
-        A page with an inbound transfer that may still land is parked in
-        PENDING_RELEASE and only freed by `end_inbound` (I7).
-        Releasing a stale handle (double free, wrong owner) raises.
-        """
-        handles = list(handles)
-        seen: set[int] = set()
-        for h in handles:
-            self._check_current(h, "release")
-            if h.index in seen:  # the same page twice in one call would be a double free
-                raise IsolationViolation(
-                    "release lists a page twice",
-                    page=h.index,
-                    expected="each page once",
-                    found="a duplicate handle",
-                )
-            seen.add(h.index)
-        for h in handles:
-            i = h.index
-            if bool(self.inbound[i]) and Fault.EARLY_FREE not in self.faults:
-                self.state[i] = int(PageState.PENDING_RELEASE)
-                self._invalidate(i)
-            else:
-                self._free(i)
-
-    def begin_inbound(self, handles: Iterable[PageHandle]) -> None:
-        """A transfer into these pages has started and may land at any time until `end_inbound`."""
-        for h in handles:
-            self._check_current(h, "begin_inbound")
-            self.inbound[h.index] = True
-
-    def end_inbound(self, indices: Iterable[int]) -> None:
-        """The transport confirmed the transfer finished or was cancelled (or the sender is dead)."""
-        for i in indices:
-            self.inbound[i] = False
-            if int(self.state[i]) == PageState.PENDING_RELEASE:
-                self._free(i)
-
-    def _invalidate(self, i: int) -> None:
-        if Fault.NO_INVALIDATE in self.faults:
-            return  # the article's ReleaseUnsafe: owner and generation left as they were
-        self.owner[i] = FREE_OWNER
-        self.generation[i] += 1
-        self.written[i] = 0
-
-    def _free(self, i: int) -> None:
-        self._invalidate(i)
-        self.state[i] = int(PageState.FREE)
+    def _on_free(self, index: int) -> None:
         if self.scrub is ScrubPolicy.ON_RELEASE:
-            self._zero(torch.tensor([i]))
-        self.free_pages.append(i)
+            self._zero(torch.tensor([index]))
 
     def _zero(self, idx: torch.Tensor) -> None:
         self.k[:, idx] = 0
         self.v[:, idx] = 0
 
-    def _check_current(self, h: PageHandle, action: str) -> None:
-        if not 0 <= h.index < self.num_pages:
-            raise IsolationViolation(
-                f"{action} of a page outside the pool",
-                page=h.index,
-                expected=f"< {self.num_pages}",
-                found=str(h.index),
-            )
-        owner, gen, state = (
-            int(self.owner[h.index]),
-            int(self.generation[h.index]),
-            int(self.state[h.index]),
-        )
-        if state != PageState.USED or owner != h.owner or gen != h.generation:
-            raise IsolationViolation(
-                f"{action} with a stale handle",
-                page=h.index,
-                expected=f"{self.label(h.owner)} gen {h.generation} used",
-                found=f"{self.label(owner)} gen {gen} {PageState(state).name.lower()}",
-            )
+    def _indices(self, state: SlotState) -> list[int]:
+        return list((self.state == state).nonzero().flatten().tolist())
+
+    def _values(self, column: Column, indices: list[int]) -> list[Any]:
+        assert isinstance(column, torch.Tensor)
+        return list(column[torch.tensor(indices, dtype=torch.int64)].tolist())
+
+    def _count(self, state: SlotState) -> int:
+        return int((self.state == state).sum())
 
     # ---- writes ----------------------------------------------------------------------------
 
@@ -370,46 +263,3 @@ class KVPool:
                 f"{int(self.written[page])} slots written, {PageState(int(self.state[page])).name.lower()}"
             ),
         )
-
-    # ---- integrity ---------------------------------------------------------------------------
-
-    def check_integrity(self, outstanding: Iterable[PageHandle] = ()) -> None:
-        """Assert the ledger is consistent at a quiescent point; raise AssertionError naming the fault.
-
-        free + used + pending = total; the free list has each free page once and
-        no other; no free page has an owner; every used page has one; every
-        handle still held by someone (`outstanding`) is current.
-        """
-        free_list = list(self.free_pages)
-        if len(set(free_list)) != len(free_list):
-            raise AssertionError("free list holds a page twice")
-        n_free = int((self.state == PageState.FREE).sum())
-        total = n_free + self.num_used + self.num_pending
-        if total != self.num_pages:
-            raise AssertionError(f"free {n_free} + used + pending = {total} != {self.num_pages}")
-        if set(free_list) != set((self.state == PageState.FREE).nonzero().flatten().tolist()):
-            raise AssertionError("free list and page states disagree")
-        free_owned = (
-            ((self.state == PageState.FREE) & (self.owner != FREE_OWNER))
-            .nonzero()
-            .flatten()
-            .tolist()
-        )
-        if free_owned:
-            raise AssertionError(f"pages {free_owned[:8]} are free but still owned")
-        used_unowned = (
-            ((self.state == PageState.USED) & (self.owner == FREE_OWNER))
-            .nonzero()
-            .flatten()
-            .tolist()
-        )
-        if used_unowned:
-            raise AssertionError(f"pages {used_unowned[:8]} are used but have no owner")
-        free_inbound = ((self.state == PageState.FREE) & self.inbound).nonzero().flatten().tolist()
-        if free_inbound:  # I7: a transfer may still land in a page anyone can now allocate
-            raise AssertionError(f"pages {free_inbound[:8]} are free while a transfer may land")
-        for h in outstanding:
-            try:
-                self._check_current(h, "outstanding handle")
-            except IsolationViolation as e:
-                raise AssertionError(str(e)) from None

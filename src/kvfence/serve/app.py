@@ -83,12 +83,6 @@ def create_app(
     def authenticate(request: Request) -> str:
         return admission.authenticate(request.headers.get("authorization"))
 
-    async def body(request: Request) -> dict[str, Any]:
-        return load_json(await read_body(request, admission.body_limit, config.body_timeout_s))
-
-    def model_of(obj: dict[str, Any]) -> str | None:
-        return obj.get("model") if isinstance(obj.get("model"), str) else None
-
     app.state.capacity = capacity
     app.add_middleware(_StatusCounter, counters=counters)
 
@@ -142,7 +136,7 @@ def create_app(
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         authenticate(request)
-        obj = await body(request)
+        obj = await json_body(request, admission)
         admission.check_model(model_of(obj))
         prompt, messages = protocol.parse_tokenize(obj)
         ids = (
@@ -155,7 +149,7 @@ def create_app(
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
         authenticate(request)
-        obj = await body(request)
+        obj = await json_body(request, admission)
         ids = protocol.parse_detokenize(obj)
         admission.check_model(model_of(obj))
         admission.check_ids(ids, "tokens")
@@ -185,3 +179,14 @@ def create_app(
     app.add_api_route("/server_info", info, methods=["GET"])
     app.add_api_route("/get_server_info", info, methods=["GET"])
     return app
+
+
+async def json_body(request: Request, admission: Admission) -> dict[str, Any]:
+    """The body as a JSON object, within the admission's size limit (413 above it)."""
+    return load_json(
+        await read_body(request, admission.body_limit, admission.config.body_timeout_s)
+    )
+
+
+def model_of(obj: dict[str, Any]) -> str | None:
+    return obj.get("model") if isinstance(obj.get("model"), str) else None

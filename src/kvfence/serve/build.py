@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfence.engine.config import EngineConfig
+from kvfence.engine.config import EngineConfig, default_of
 from kvfence.engine.pipeline import LocalPipeline
 from kvfence.engine.sizing import DEFAULT_HEADROOM
 from kvfence.faults import FaultSet
@@ -42,7 +42,7 @@ def build_local(
     kind: str = "llama",
     context_length: int | None = None,
     pools: PoolSizes | None = None,
-    page_size: int = 16,
+    page_size: int = default_of(EngineConfig, "page_size"),
     scrub: ScrubPolicy = ScrubPolicy.NONE,
     faults: FaultSet | None = None,
     prefix_cache: bool = True,
@@ -50,7 +50,7 @@ def build_local(
     headroom: float = DEFAULT_HEADROOM,
     allow_undersized_pool: bool = False,
     lab_profile: str | None = None,
-    default_max_tokens: int = 16,
+    default_max_tokens: int = default_of(ServeConfig, "default_max_tokens"),
     chunk_size: int | None = None,
 ) -> ServerParts:
     """Load the checkpoint and build a (not yet started) pipeline and the server's config."""

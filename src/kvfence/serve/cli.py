@@ -16,12 +16,15 @@ from pathlib import Path
 
 import click
 
+from kvfence.engine.config import EngineConfig, default_of
 from kvfence.engine.sizing import DEFAULT_HEADROOM, CapacityGateError
 from kvfence.faults import FaultSet
 from kvfence.kv.scrub import ScrubPolicy
 from kvfence.model.config import MODEL_KINDS
 from kvfence.model.tiny import PRESETS, default_checkpoint_dir
+from kvfence.serve.config import ServeConfig
 from kvfence.serve.pd.cli import pd_main
+from kvfence.serve.pd.spec import CROSS_PROCESS, WorkerSpec
 from kvfence.serve.pool_sizing import DEFAULT_KV_FRACTION, PoolSizes, gate_fix_hint
 from kvfence.serve.tenants import TenantFileError, TenantRegistry
 
@@ -110,7 +113,12 @@ def _is_loopback(host: str) -> bool:
     show_default=True,
     help="without --kv-pages/--kv-bytes: the most of the available memory each role's pool takes",
 )
-@click.option("--page-size", type=click.IntRange(1), default=16, show_default=True)
+@click.option(
+    "--page-size",
+    type=click.IntRange(1),
+    default=default_of(EngineConfig, "page_size"),
+    show_default=True,
+)
 @click.option(
     "--scrub",
     type=click.Choice([p.value for p in ScrubPolicy]),
@@ -135,7 +143,12 @@ def _is_loopback(host: str) -> bool:
     multiple=True,
     help="incident lab: switch a defence off (repeatable; listed in /server_info)",
 )
-@click.option("--default-max-tokens", type=click.IntRange(1), default=16, show_default=True)
+@click.option(
+    "--default-max-tokens",
+    type=click.IntRange(1),
+    default=default_of(ServeConfig, "default_max_tokens"),
+    show_default=True,
+)
 @click.option(
     "--request-log",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -152,8 +165,8 @@ def _is_loopback(host: str) -> bool:
 @click.option("--decode", "n_decode", type=click.IntRange(1), default=1, show_default=True)
 @click.option(
     "--transport",
-    type=click.Choice(["tcp", "shm", "mooncake", "nixl"]),
-    default="tcp",
+    type=click.Choice(CROSS_PROCESS),
+    default=default_of(WorkerSpec, "transport"),
     show_default=True,
     help="KV transport between prefill and decode processes (mooncake, nixl: the pd extra)",
 )
@@ -167,7 +180,12 @@ def _is_loopback(host: str) -> bool:
 @click.option("--router-addr", default=None, help="workers: the router's control address")
 @click.option("--prefill-addr", multiple=True, help="router: a prefill worker's control address")
 @click.option("--decode-addr", multiple=True, help="router: a decode worker's control address")
-@click.option("--kv-host", default="127.0.0.1", show_default=True, help="decode: KV listen address")
+@click.option(
+    "--kv-host",
+    default=default_of(WorkerSpec, "kv_host"),
+    show_default=True,
+    help="decode: KV listen address",
+)
 @click.option(
     "--torch-threads",
     type=click.IntRange(0),

@@ -56,7 +56,8 @@ class _Collector(Collector):
         self.context_length = context_length
 
     def collect(self) -> Iterator[Metric]:
-        c, s = self.counters, self.stats()
+        stats = self.stats()
+        c, s = self.counters, stats.counters
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(name, doc, value=value)
@@ -110,7 +111,7 @@ class _Collector(Collector):
         pages = GaugeMetricFamily(
             "kvfence_pool_pages", "KV pool pages by role and state", labels=["role", "state"]
         )
-        for p in s.pools:
+        for p in stats.pools:
             pages.add_metric([p.role, "used"], p.pages_used)
             pages.add_metric([p.role, "free"], p.pages_free)
             pages.add_metric([p.role, "pending"], p.pages_pending)

@@ -15,6 +15,7 @@ capacity gate and /server_info read the pools from those live reports.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import zmq
 
 from kvfence.engine.backend import BackendStats, GenerateWork, PoolInfo, Sink
+from kvfence.engine.counters import Counters
 from kvfence.engine.messages import (
     Abort,
     Bootstrap,
@@ -158,30 +160,19 @@ class PDBackend:
     def stats(self) -> BackendStats:
         with self._lock:
             statuses = [w.status for _, w in self._workers() if w.status is not None]
-            return BackendStats(
-                requests_finished=sum(s.finished for s in statuses),
-                requests_rejected=sum(s.rejected for s in statuses),
-                requests_aborted=self._rooms.aborted,
-                requests_failed=sum(s.failed for s in statuses) + self._timeouts,
+            total = Counters.total(s.counters for s in statuses)
+            counters = dataclasses.replace(
+                total,
+                aborted=self._rooms.aborted,  # the router's count: each request once
                 prompt_tokens=self._rooms.prompt_tokens,
-                generation_tokens=sum(s.generation_tokens for s in statuses),
-                prefix_cache_queried_tokens=sum(s.prefix_cache_queried_tokens for s in statuses),
-                prefix_cache_hit_tokens=sum(s.prefix_cache_hit_tokens for s in statuses),
-                isolation_violations=sum(s.isolation_violations for s in statuses),
-                transfer_mismatches=sum(s.transfer_mismatches for s in statuses),
-                transfer_failures=sum(s.transfer_failures for s in statuses),
-                pools=tuple(
-                    PoolInfo(
-                        s.role,
-                        s.pool_tokens,
-                        s.page_size,
-                        s.pages_used,
-                        s.pages_free,
-                        s.pages_pending,
-                    )
-                    for s in statuses
-                ),
+                failed=total.failed + self._timeouts,
             )
+            pools = tuple(
+                PoolInfo(s.role, s.pool_tokens, s.page_size, s.pages_used, s.pages_free,
+                         s.pages_pending)
+                for s in statuses
+            )  # fmt: skip
+            return BackendStats(counters, pools)
 
     def open_rooms(self) -> int:
         with self._lock:

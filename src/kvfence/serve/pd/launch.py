@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvfence.engine.config import default_of
 from kvfence.engine.sizing import CapacityGateError
 from kvfence.faults import FaultSet
 from kvfence.model.config import ModelConfig
@@ -38,11 +39,11 @@ class RouterSpec:
     port: int
     transport: str
     context_length: int | None = None
-    headroom: float = 1.25
+    headroom: float = default_of(ServeConfig, "headroom")
     allow_undersized_pool: bool = False
     faults: tuple[str, ...] = ()
-    default_max_tokens: int = 16
-    scrub_policy: str = "none"
+    default_max_tokens: int = default_of(ServeConfig, "default_max_tokens")
+    scrub_policy: str = default_of(ServeConfig, "scrub_policy")
     prefix_cache: bool = True
     shared_prefix_cache: bool = False
     timeouts: Timeouts = field(default_factory=Timeouts)

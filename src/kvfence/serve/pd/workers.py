@@ -17,16 +17,17 @@ error (I6) instead of killing the worker silently.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import zmq
 
 from kvfence.engine.config import EngineConfig
+from kvfence.engine.counters import Counters
 from kvfence.engine.decode import DecodeEngine
 from kvfence.engine.kvlink import apply_transfer_events
 from kvfence.engine.messages import (
@@ -44,47 +45,15 @@ from kvfence.faults import FaultSet
 from kvfence.kv.pool import KVPool, PageHandle, ScrubPolicy
 from kvfence.model.loader import LoadedModel, load_model
 from kvfence.serve.channel import Inbox, Outbox
-from kvfence.serve.pool_sizing import DEFAULT_KV_FRACTION, PoolSizes, available_memory_bytes
+from kvfence.serve.pd.spec import WorkerSpec
+from kvfence.serve.pool_sizing import PoolSizes, available_memory_bytes
 from kvfence.serve.transfer.base import KVSender, TransferRefused, TransportClosed
 from kvfence.serve.transfer.registry import get_transport
 
 log = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 0.5
-# KV transports that cross a process boundary (mooncake and nixl need the `pd` extra).
-CROSS_PROCESS_TRANSPORTS = ("tcp", "shm", "mooncake", "nixl")
 IDLE_POLL_MS = 20
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    """Everything one worker process needs; built from `kvfence serve --role …` options."""
-
-    role: str  # "prefill" or "decode"
-    model_dir: str
-    model_kind: str
-    inbox: str  # the control address this worker binds, e.g. tcp://10.0.0.2:7001
-    router: str  # the router's control inbox
-    pages: int | None = None  # this role's KV pool in pages, or
-    kv_bytes: int | None = None  # a byte budget (whole pages, rounded down); default: from memory
-    kv_memory_fraction: float = DEFAULT_KV_FRACTION
-    page_size: int = 16
-    context_length: int | None = None
-    scrub: str = ScrubPolicy.NONE.value
-    prefix_cache: bool = True
-    shared_prefix_namespace: str | None = None
-    faults: tuple[str, ...] = ()
-    transport: str = "tcp"
-    kv_host: str = "127.0.0.1"  # decode: the interface its KV receiver listens on
-
-    def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode"):
-            raise ValueError(f"a worker role is 'prefill' or 'decode', got {self.role!r}")
-        if self.transport not in CROSS_PROCESS_TRANSPORTS:
-            raise ValueError(
-                f"a cross-process transport is one of {', '.join(CROSS_PROCESS_TRANSPORTS)}, "
-                f"got {self.transport!r}"
-            )
 
 
 def role_pages(spec: WorkerSpec, loaded: LoadedModel) -> int:
@@ -128,6 +97,36 @@ class _Stop:
         self.requested = True
 
 
+class _Control:
+    """A worker's control plane: its inbox, the router's outbox, the stop signal, status pacing."""
+
+    def __init__(self, spec: WorkerSpec, accepts: list[type]) -> None:
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.inbox = Inbox(self.ctx, spec.inbox, accepts)
+        self.router = Outbox(self.ctx, spec.router)
+        self.stop = _Stop()
+        self._last_status = 0.0
+
+    def receive(self, busy: bool) -> list[Message]:
+        return self.inbox.poll(0 if busy else IDLE_POLL_MS)
+
+    def send(self, msg: Message) -> None:
+        self.router.send(msg)
+
+    def status_due(self, progressed: bool) -> bool:
+        """A status after every step that produced output, and at least every interval."""
+        now = time.monotonic()
+        if progressed or now - self._last_status >= STATUS_INTERVAL_S:
+            self._last_status = now
+            return True
+        return False
+
+    def close(self) -> None:
+        self.inbox.close()
+        self.router.close()
+        self.ctx.term()
+
+
 def _integrity(pool: KVPool, busy: bool, outstanding: Callable[[], list[PageHandle]]) -> str:
     """The ledger check at a quiet point (I1/I5/I7 bookkeeping); "" while busy."""
     if busy:
@@ -146,7 +145,7 @@ def _status(
     pool: KVPool,
     busy: bool,
     outstanding: Callable[[], list[PageHandle]],
-    **counters: int,
+    counters: Counters,
 ) -> WorkerStatus:
     return WorkerStatus(
         role=role,
@@ -159,160 +158,165 @@ def _status(
         pages_pending=pool.num_pending,
         integrity=_integrity(pool, busy, outstanding),
         refused_messages=inbox.refused.count,
-        **counters,
+        counters=counters,
     )
 
 
-def _fail_all(rooms: list[str], send: Callable[[Message], None], why: str) -> None:
-    for room in rooms:
-        send(Failure(room, ErrorInfo(500, "server_error", why)))
+class PrefillWorker:
+    """PrefillWork / Abort in; failures and notes for decode (via the router) and KV out."""
 
+    role = "prefill"
 
-def run_prefill(spec: WorkerSpec) -> int:
-    loaded = load_model(spec.model_dir, kind=spec.model_kind)
-    faults = FaultSet.parse(spec.faults)
-    config = engine_config(spec, loaded)
-    geometry = loaded.config.kv_geometry(page_size=spec.page_size)
-    pool = KVPool(geometry, config.prefill_pages, scrub=config.scrub, faults=faults)
-    engine = PrefillEngine(loaded.model, pool, config, faults)
-    transport = get_transport(spec.transport)
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    inbox = Inbox(ctx, spec.inbox, [PrefillWork, Abort])
-    router = Outbox(ctx, spec.router)
-    senders: dict[str, KVSender] = {}
-    dest_of: dict[str, str] = {}  # room -> decode KV address
-    stop = _Stop()
+    def __init__(self, spec: WorkerSpec) -> None:
+        loaded = load_model(spec.model_dir, kind=spec.model_kind)
+        faults = FaultSet.parse(spec.faults)
+        config = engine_config(spec, loaded)
+        geometry = loaded.config.kv_geometry(page_size=spec.page_size)
+        self.pool = KVPool(geometry, config.prefill_pages, scrub=config.scrub, faults=faults)
+        self.engine = PrefillEngine(loaded.model, self.pool, config, faults)
+        self.transport = get_transport(spec.transport)
+        self.control = _Control(spec, [PrefillWork, Abort])
+        self.senders: dict[str, KVSender] = {}  # decode KV address -> its sender
+        self.dest_of: dict[str, str] = {}  # room -> decode KV address
+        self.transfer_failures = 0
 
-    def status() -> WorkerStatus:
-        c, cache = engine.counters, engine.cache
-        busy = engine.has_work or bool(dest_of)
-        return _status(
-            "prefill", inbox, "", pool, busy, engine.outstanding_handles,
-            rejected=c.rejected, aborted=c.aborted, failed=c.failed,
-            prefix_cache_queried_tokens=cache.queried_tokens, prefix_cache_hit_tokens=cache.hit_tokens,
-            isolation_violations=c.isolation_violations, transfer_failures=transfer_failures,
-        )  # fmt: skip
+    def iterate(self) -> None:
+        """The data flow: receive -> step -> failures and notes to the router -> KV out."""
+        engine, control = self.engine, self.control
+        for msg in control.receive(engine.has_work):
+            self.receive(msg)
+        if engine.has_work:
+            engine.step()
+        out = engine.drain()
+        for note in (*out.to_router, *out.to_decode):
+            control.send(note)  # the router forwards decode's notes to the decode holding the room
+        for t in out.transfers:
+            ok = self.send_kv(t)
+            self.transfer_failures += not ok
+            engine.transfer_done(t.room, ok=ok)  # I7: only now may prefill free its pages
+        if control.status_due(bool(out)):
+            control.send(self.status())
 
-    def send_kv(t: OutboundTransfer) -> bool:
-        addr = dest_of.pop(t.room, "")
+    def receive(self, msg: Message) -> None:
+        if isinstance(msg, PrefillWork):
+            self.dest_of[msg.room] = msg.decode_addr
+            self.engine.submit(msg)
+        elif isinstance(msg, Abort):
+            self.dest_of.pop(msg.room, None)
+            self.engine.abort(msg.room, msg.reason)
+
+    def send_kv(self, t: OutboundTransfer) -> bool:
+        addr = self.dest_of.pop(t.room, "")
         try:
-            sender = senders.get(addr)
+            sender = self.senders.get(addr)
             if sender is None:
-                sender = senders[addr] = transport.sender(addr)
-            sender.send(t, pool)
+                sender = self.senders[addr] = self.transport.sender(addr)
+            sender.send(t, self.pool)
             return True
         except (TransferRefused, TransportClosed, OSError, ValueError) as e:
-            broken = senders.pop(addr, None)
+            broken = self.senders.pop(addr, None)
             if broken is not None and not isinstance(e, TransferRefused):
                 broken.close()
-            router.send(
-                Failure(
-                    t.room, ErrorInfo(502, "transfer_failed", f"KV transfer to decode failed: {e}")
-                )
-            )
+            why = f"KV transfer to decode failed: {e}"
+            self.control.send(Failure(t.room, ErrorInfo(502, "transfer_failed", why)))
             return False
 
-    transfer_failures = 0
-    last_status = 0.0
-    try:
-        while not stop.requested:
-            for msg in inbox.poll(0 if engine.has_work else IDLE_POLL_MS):
-                if isinstance(msg, PrefillWork):
-                    dest_of[msg.room] = msg.decode_addr
-                    engine.submit(msg)
-                elif isinstance(msg, Abort):
-                    dest_of.pop(msg.room, None)
-                    engine.abort(msg.room, msg.reason)
-            if engine.has_work:
-                engine.step()
-            out = engine.drain()
-            for failure in out.to_router:
-                router.send(failure)
-            for note in out.to_decode:
-                router.send(note)  # the router forwards to the decode holding the room
-            for t in out.transfers:
-                ok = send_kv(t)
-                transfer_failures += not ok
-                engine.transfer_done(t.room, ok=ok)  # I7: only now may prefill free its pages
-            now = time.monotonic()
-            if now - last_status >= STATUS_INTERVAL_S or out:
-                router.send(status())
-                last_status = now
-    except Exception as e:
-        log.exception("prefill worker failed")
-        _fail_all(list(dest_of), router.send, f"prefill worker error: {type(e).__name__}: {e}")
-        return 1
-    finally:
-        for s in senders.values():
+    def status(self) -> WorkerStatus:
+        cache = self.engine.cache
+        counters = dataclasses.replace(
+            self.engine.counters,
+            prefix_cache_queried_tokens=cache.queried_tokens,
+            prefix_cache_hit_tokens=cache.hit_tokens,
+            transfer_failures=self.transfer_failures,
+        )
+        busy = self.engine.has_work or bool(self.dest_of)
+        outstanding = self.engine.outstanding_handles
+        return _status("prefill", self.control.inbox, "", self.pool, busy, outstanding, counters)
+
+    def open_rooms(self) -> list[str]:
+        return list(self.dest_of)
+
+    def close(self) -> None:
+        for s in self.senders.values():
             s.close()
-        inbox.close()
-        router.close()
-        ctx.term()
-    return 0
 
 
-def run_decode(spec: WorkerSpec) -> int:
-    loaded = load_model(spec.model_dir, kind=spec.model_kind)
-    faults = FaultSet.parse(spec.faults)
-    config = engine_config(spec, loaded)
-    geometry = loaded.config.kv_geometry(page_size=spec.page_size)
-    transport = get_transport(spec.transport, host=spec.kv_host)
-    pool = transport.create_pool(geometry, config.decode_pages, scrub=config.scrub, faults=faults)
-    receiver = transport.receiver(pool)
-    engine = DecodeEngine(loaded.model, pool, config, faults, inbound=receiver)
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    inbox = Inbox(ctx, spec.inbox, [Bootstrap, Abort, TransferDone])
-    router = Outbox(ctx, spec.router)
-    stop = _Stop()
-    transfer_failures = 0
+class DecodeWorker:
+    """Bootstrap / Abort / TransferDone in; KV in through its receiver; tokens out."""
 
-    def status() -> WorkerStatus:
-        c = engine.counters
-        busy = engine.has_work or bool(engine.rooms())
+    role = "decode"
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        loaded = load_model(spec.model_dir, kind=spec.model_kind)
+        faults = FaultSet.parse(spec.faults)
+        config = engine_config(spec, loaded)
+        geometry = loaded.config.kv_geometry(page_size=spec.page_size)
+        transport = get_transport(spec.transport, host=spec.kv_host)
+        self.pool = transport.create_pool(
+            geometry, config.decode_pages, scrub=config.scrub, faults=faults
+        )
+        self.receiver = transport.receiver(self.pool)
+        self.engine = DecodeEngine(loaded.model, self.pool, config, faults, inbound=self.receiver)
+        self.control = _Control(spec, [Bootstrap, Abort, TransferDone])
+        self.transfer_failures = 0
+
+    def iterate(self) -> None:
+        """The data flow: receive -> what landed (I3) -> step -> ready and tokens to the router."""
+        engine, control = self.engine, self.control
+        for msg in control.receive(engine.has_work):
+            self.receive(msg)
+        for failure in apply_transfer_events(engine, self.receiver.poll()):
+            self.transfer_failures += 1  # cancelled, refused or its sender died: nothing to decode
+            control.send(failure)
+        if engine.has_work:
+            engine.step()
+        out = engine.drain()
+        for event in (*out.ready, *out.events):
+            control.send(event)
+        if control.status_due(bool(out)):
+            control.send(self.status())
+
+    def receive(self, msg: Message) -> None:
+        if isinstance(msg, Bootstrap):
+            answer = self.engine.bootstrap(msg)
+            if answer is not None:
+                self.control.send(answer)
+        elif isinstance(msg, Abort):
+            self.engine.abort(msg.room, msg.reason)
+        elif isinstance(msg, TransferDone) and not msg.ok:
+            self.receiver.cancel(msg.room)  # prefill will never send: close the window (I7)
+
+    def status(self) -> WorkerStatus:
+        counters = dataclasses.replace(
+            self.engine.counters, transfer_failures=self.transfer_failures
+        )
+        busy = self.engine.has_work or bool(self.engine.rooms())
+        outstanding = self.engine.outstanding_handles
+        address = self.receiver.address
         return _status(
-            "decode", inbox, receiver.address, pool, busy, engine.outstanding_handles,
-            finished=c.finished, rejected=c.rejected, aborted=c.aborted, failed=c.failed,
-            generation_tokens=c.generation_tokens, isolation_violations=c.isolation_violations,
-            transfer_mismatches=c.transfer_mismatches, transfer_failures=transfer_failures,
-        )  # fmt: skip
+            "decode", self.control.inbox, address, self.pool, busy, outstanding, counters
+        )
 
-    last_status = 0.0
-    try:
-        while not stop.requested:
-            for msg in inbox.poll(0 if engine.has_work else IDLE_POLL_MS):
-                if isinstance(msg, Bootstrap):
-                    answer = engine.bootstrap(msg)
-                    if answer is not None:
-                        router.send(answer)
-                elif isinstance(msg, Abort):
-                    engine.abort(msg.room, msg.reason)
-                elif isinstance(msg, TransferDone) and not msg.ok:
-                    receiver.cancel(msg.room)  # prefill will never send: close the window (I7)
-            for failure in apply_transfer_events(engine, receiver.poll()):
-                transfer_failures += 1  # cancelled, refused or its sender died: nothing to decode
-                router.send(failure)
-            if engine.has_work:
-                engine.step()
-            out = engine.drain()
-            for ready in out.ready:
-                router.send(ready)
-            for ev in out.events:
-                router.send(ev)
-            now = time.monotonic()
-            if now - last_status >= STATUS_INTERVAL_S or out:
-                router.send(status())
-                last_status = now
-    except Exception as e:
-        log.exception("decode worker failed")
-        _fail_all(engine.rooms(), router.send, f"decode worker error: {type(e).__name__}: {e}")
-        return 1
-    finally:
-        receiver.close()
-        inbox.close()
-        router.close()
-        ctx.term()
-    return 0
+    def open_rooms(self) -> list[str]:
+        return self.engine.rooms()
+
+    def close(self) -> None:
+        self.receiver.close()
 
 
 def run_worker(spec: WorkerSpec) -> int:
-    return run_prefill(spec) if spec.role == "prefill" else run_decode(spec)
+    """Set up the role, then loop until SIGTERM; an engine error fails the rooms in flight (I6)."""
+    worker = PrefillWorker(spec) if spec.role == "prefill" else DecodeWorker(spec)
+    try:
+        while not worker.control.stop.requested:
+            worker.iterate()
+    except Exception as e:
+        log.exception("%s worker failed", worker.role)
+        why = f"{worker.role} worker error: {type(e).__name__}: {e}"
+        for room in worker.open_rooms():
+            worker.control.send(Failure(room, ErrorInfo(500, "server_error", why)))
+        return 1
+    finally:
+        worker.close()
+        worker.control.close()
+    return 0
