@@ -416,8 +416,10 @@ def _served_since_restart(c: Cluster, name: str) -> bool:
     """The restarted worker is live and its (new) counters show requests it carried."""
     addr = c.addr(name)
     status = c.backend.worker_status(addr)
-    done = 0 if status is None else status.finished + status.rejected + status.aborted
-    return addr not in c.backend.dead_workers() and done > 0
+    if status is None:
+        return False
+    n = status.counters
+    return addr not in c.backend.dead_workers() and n.finished + n.rejected + n.aborted > 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

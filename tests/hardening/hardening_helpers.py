@@ -17,8 +17,17 @@ from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.thread import ServerThread
 
 # 4xx bodies with no single field at fault: the whole body, the credential, the route.
+# Whole-request errors: no field is at fault (a credential, the body as a whole, the route).
 FIELDLESS_CODES = frozenset(
-    {"invalid_json", "invalid_utf8", "body_too_large", "invalid_api_key", "not_found", None}
+    {
+        "invalid_json",
+        "invalid_utf8",
+        "body_too_large",
+        "invalid_api_key",
+        "operator_only",
+        "not_found",
+        None,
+    }
 )
 
 

@@ -140,6 +140,7 @@ def test_generated_requests_get_2xx_or_a_4xx_naming_the_field(server: Live) -> N
     credentials = {
         "key": server.auth(),
         "other-tenant": server.auth("b"),
+        "operator": server.operator_auth(),
         "wrong-key": {"Authorization": "Bearer sk-not-a-key-of-anyone-here"},
         "no-key": {},
     }
@@ -149,7 +150,7 @@ def test_generated_requests_get_2xx_or_a_4xx_naming_the_field(server: Live) -> N
             if label == "key" and method == "POST":
                 modes.append(GenerationMode.NEGATIVE)
             for mode in modes:
-                authed = label in ("key", "other-tenant")
+                authed = label in ("key", "other-tenant", "operator")
                 where = f"{label}/{mode.value}"
                 _attack(server, schema, tally, method, path, mode, headers, where, authed)
     print(f"generated requests: {tally.requests}; statuses: {dict(sorted(tally.statuses.items()))}")
