@@ -34,6 +34,7 @@ from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import KVPool
 from kvfence.serve.transfer import framing
 from kvfence.serve.transfer.base import InPlaceSender, KVTransport, TransferRefused, TransportClosed
+from kvfence.serve.transfer.granted import parse_end
 from kvfence.serve.transfer.layout import Outgoing, PoolShape, copy_runs_into
 from kvfence.serve.transfer.listener import ListeningReceiver, tune
 
@@ -87,7 +88,7 @@ class ShmReceiver(ListeningReceiver):
             if kind == framing.BEGIN:
                 self._begin(conn, body, manifests, granted)
             elif kind == framing.END:
-                room, checksum = _parse_end(body)
+                room, checksum = parse_end(body)
                 if room not in manifests:
                     raise TransportClosed(f"end of room {room!r} that was never granted here")
                 manifest = dataclasses.replace(manifests.pop(room), checksum=checksum)
@@ -125,18 +126,6 @@ class ShmReceiver(ListeningReceiver):
             os.unlink(self.path)  # the mapping stays valid for whoever still holds it
         except FileNotFoundError:
             log.debug("shared KV file %s already removed", self.path)
-
-
-def _parse_end(body: bytes) -> tuple[str, str]:
-    """The END frame: the room and the checksum of what the sender wrote."""
-    try:
-        obj = json.loads(body)
-        room, checksum = obj["room"], obj["checksum"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise TransportClosed(f"malformed end-of-transfer frame: {e}") from None
-    if not isinstance(room, str) or not isinstance(checksum, str):
-        raise TransportClosed("malformed end-of-transfer frame: room and checksum are strings")
-    return room, checksum
 
 
 class ShmSender(InPlaceSender):
