@@ -43,7 +43,9 @@ class Fleet:
 
 
 @contextmanager
-def fleet(checkpoint: Path, tmp: Path, faults: FaultSet | None = None) -> Iterator[Fleet]:
+def fleet(
+    checkpoint: Path, tmp: Path, faults: FaultSet | None = None, transport: str = "tcp"
+) -> Iterator[Fleet]:
     faults = faults or FaultSet()
     tenants = TenantRegistry.generate(("tenant-a", "tenant-b")).with_operator_keys((OPERATOR_KEY,))
     tenants_file = tmp / "tenants.json"
@@ -52,7 +54,7 @@ def fleet(checkpoint: Path, tmp: Path, faults: FaultSet | None = None) -> Iterat
         "--model", str(checkpoint), "--model-kind", "mirror", "--no-prefix-cache",
         "--context-length", str(SCALE.context_length), "--page-size", str(SCALE.page_size),
         "--kv-pages", f"prefill={SCALE.prefill_pages},decode={SCALE.decode_pages}",
-        "--torch-threads", "1",
+        "--torch-threads", "1", "--transport", transport,
     ]  # fmt: skip
     if Fault.UNDERSIZED_POOL not in faults:
         args.append("--allow-undersized-pool")  # the honest mode: the edge rejects over-pool

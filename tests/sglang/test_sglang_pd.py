@@ -114,3 +114,21 @@ def test_incident_profile_leaks_through_the_real_router(
     assert inc.b.reported_prompt_tokens == inc.b.prompt_tokens  # B's own count, like the incident
     assert inc.leaked is not None, inc.b.text[:300]  # A's sentinel in B's answer
     assert SCALE.prefill_pool_tokens < inc.b.prompt_tokens < SCALE.context_length
+
+
+@pytest.mark.parametrize("transport", ["mooncake", "nixl"])
+def test_real_transports_behind_the_router(
+    sgl_checkpoint: Path, tmp_path: Path, hardened: Fleet, transport: str
+) -> None:
+    """Mooncake (TCP here) and NIXL (UCX) move the KV: the same greedy text as over TCP."""
+    pytest.importorskip("mooncake.engine" if transport == "mooncake" else "nixl_cu12")
+    prompt = "pack my box with five dozen liquor jugs"
+    want = complete(hardened, "tenant-a", prompt, 10, ignore_eos=True)
+    with fleet(sgl_checkpoint, tmp_path, transport=transport) as f:
+        got = complete(f, "tenant-a", prompt, 10, ignore_eos=True)
+        over = complete(f, "tenant-b", text_of(f.tokenizer, "weather report ", 424), 16)
+        facts = wait_quiet(f, "decode")
+        assert f.facts("decode")["disaggregation_transfer_backend"] == transport
+    assert (got.status, got.text) == (200, want.text), got.body
+    assert over.status == 400, over.body
+    assert (facts["pages_used"], facts["pages_pending"], facts["integrity"]) == (0, 0, "ok")
