@@ -122,3 +122,29 @@ def clean_reject(inc: Incident) -> bool:
     """B's over-pool prompt ended as an error through the router, with nothing of A's in it."""
     b = inc.b
     return 400 <= b.status < 500 and "error" in b.body and inc.leaked is None
+
+
+AUDIT_CHECKS = "capacity,boundary,canary,counters"
+
+
+def audit_verdicts(url: str, keys: dict[str, str], operator: str, out: Path) -> dict[str, str]:
+    """`kvfence audit` in-process against `url`: each check's verdict."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kvfence.cli import main
+
+    args = ["audit", "--target", url, "--key-a", keys["tenant-a"], "--key-b", keys["tenant-b"]]
+    args += ["--operator-key", operator, "--checks", AUDIT_CHECKS, "--quiet", "--json", str(out)]
+    CliRunner().invoke(main, args, catch_exceptions=False)
+    rep = json.loads(out.read_text())
+    return {r["check"]: r["verdict"] for r in rep["results"]}
+
+
+def edge_verdicts(checkpoint: Path, faults: FaultSet, out: Path) -> dict[str, str]:
+    """The same audit at kvfence's own edge (the single-process lab server, same switches)."""
+    from kvfence.lab.scenario import OPERATOR, lab_server
+
+    with lab_server(checkpoint, faults, model_kind="mirror", scale=SCALE) as srv:
+        return audit_verdicts(srv.url, srv.keys, srv.keys[OPERATOR], out)

@@ -12,10 +12,13 @@ from pathlib import Path
 import httpx
 import pytest
 from sgl_helpers import (
+    OPERATOR_KEY,
     SCALE,
     Fleet,
+    audit_verdicts,
     clean_reject,
     complete,
+    edge_verdicts,
     fleet,
     incident,
     text_of,
@@ -74,6 +77,15 @@ def test_hardened_stack_turns_the_incident_into_a_clean_error(hardened: Fleet) -
     assert clean_reject(inc), (inc.b.status, inc.b.text[:300])
 
 
+def test_audit_through_the_router_matches_kvfences_own_edge(
+    hardened: Fleet, sgl_checkpoint: Path, tmp_path: Path
+) -> None:
+    routed = audit_verdicts(hardened.url, hardened.keys, OPERATOR_KEY, tmp_path / "r.json")
+    edge = edge_verdicts(sgl_checkpoint, FaultSet(), tmp_path / "e.json")
+    assert routed == edge, (routed, edge)
+    assert routed["canary"] == routed["boundary"] == "pass"
+
+
 def test_bootstrap_fields_and_rid_from_a_tenant_are_refused(hardened: Fleet) -> None:
     key = {"Authorization": f"Bearer {hardened.keys['tenant-a']}"}
     base = {"model": hardened.model, "prompt": "hi", "max_tokens": 2}
@@ -107,8 +119,13 @@ def test_incident_profile_leaks_through_the_real_router(
     sgl_checkpoint: Path, tmp_path: Path
 ) -> None:
     """The proof the checks above can fail: the Workers AI faults re-create the leak here."""
-    with fleet(sgl_checkpoint, tmp_path, FaultSet.of(*INCIDENT_FAULTS)) as f:
+    faults = FaultSet.of(*INCIDENT_FAULTS)
+    with fleet(sgl_checkpoint, tmp_path, faults) as f:
         inc = incident(f)
+        routed = audit_verdicts(f.url, f.keys, OPERATOR_KEY, tmp_path / "r.json")
+    # `kvfence audit` at the router sees what it sees at kvfence's own edge: the leak is red.
+    assert routed == edge_verdicts(sgl_checkpoint, faults, tmp_path / "e.json")
+    assert "fail" in (routed["canary"], routed["boundary"]), routed
     assert not clean_reject(inc)
     assert inc.b.status == 200
     assert inc.b.reported_prompt_tokens == inc.b.prompt_tokens  # B's own count, like the incident
