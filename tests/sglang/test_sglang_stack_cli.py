@@ -59,6 +59,10 @@ def test_one_command_serves_and_stops_whole_when_a_worker_dies(
             timeout=60,
         )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+        assert _salt_hits(url[1], key[1], sgl_checkpoint.name) == {
+            "/v1/completions": (True, False),  # same salt hits, another salt misses
+            "/v1/chat/completions": (True, True),  # sglang-router 0.3.2 drops the salt here
+        }
         kids = _children(proc.pid)
         assert len(kids) == 3  # the router and two workers, all children of the one command
         decode = next(p for p in kids if "--role decode" in _cmdline(p))
@@ -75,3 +79,29 @@ def test_one_command_serves_and_stops_whole_when_a_worker_dies(
 
 def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def _salt_hits(url: str, key: str, model: str) -> dict[str, tuple[bool, bool]]:
+    """Per route: (a repeat with the same salt hit the cache, one with another salt hit it)."""
+    out = {}
+    for i, path in enumerate(("/v1/completions", "/v1/chat/completions")):
+        text = f"salted workload {i} " * 40
+        body: dict[str, object] = {"model": model, "max_tokens": 1}
+        body |= (
+            {"prompt": text}
+            if "chat" not in path
+            else {"messages": [{"role": "user", "content": text}]}
+        )
+        hits = []
+        for salt in ("one", "one", "two"):
+            r = httpx.post(
+                url + path,
+                headers={"Authorization": f"Bearer {key}"},
+                json={**body, "cache_salt": f"{salt}-{i}"},
+                timeout=60,
+            )
+            assert r.status_code == 200, r.text
+            hits.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0)
+        assert not hits[0]  # a cold prompt
+        out[path] = (hits[1], hits[2])
+    return out

@@ -143,7 +143,7 @@ class SglangRouterTarget(RouterTarget):
     worker_adapters: ClassVar[tuple[type[Target], ...]] = (KvfenceTarget, SglangTarget)
     forwards_salt: ClassVar[str | None] = (
         "sglang-router 0.3.2 forwards cache_salt on /v1/completions (seen live); "
-        "it drops it on /generate"
+        "it drops it on /v1/chat/completions and /generate (seen live)"
     )
 
     @classmethod
