@@ -7,6 +7,7 @@ transport. One stack per module section (each start is ~15 s on 2 cores).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -32,9 +33,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def hardened(sgl_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Fleet:
+def hardened(sgl_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     with fleet(sgl_checkpoint, tmp_path_factory.mktemp("hardened")) as f:
-        yield f  # type: ignore[misc]
+        yield f
 
 
 def test_completion_through_the_router_is_the_tenants_own(hardened: Fleet) -> None:

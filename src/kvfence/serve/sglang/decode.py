@@ -15,6 +15,7 @@ This worker's own refusal of a routed request goes to prefill the same way.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from kvfence.engine.counters import Counters
 from kvfence.engine.decode import DecodeEngine
@@ -29,10 +30,10 @@ from kvfence.engine.messages import (
     TokenChunk,
     TransferDone,
 )
-from kvfence.engine.routing import Room, Rooms
+from kvfence.engine.routing import Room, Rooms, Stage
 from kvfence.faults import FaultSet
 from kvfence.kv.pool import PageHandle
-from kvfence.serve.sglang.side import Cancel, PairSide, Reject, Submit
+from kvfence.serve.sglang.side import PAIR_TIMEOUT_S, Cancel, PairSide, Reject, Submit
 from kvfence.serve.transfer.base import KVReceiver
 
 
@@ -67,6 +68,7 @@ class DecodeSide(PairSide):
             self._register(ready)  # a queued reservation got its pages
         for event in out.events:
             self._deliver(event)
+        self._expire(time.monotonic())
         if not (engine.has_work or engine.rooms() or self.rooms.open):
             self.check_quiet()
 
@@ -107,6 +109,17 @@ class DecodeSide(PairSide):
             reply_addr=self.inbox.addr,
         )
         self.send(work.peer, reg)
+        room.deadline = time.monotonic() + PAIR_TIMEOUT_S
+
+    def _expire(self, now: float) -> None:
+        """A room whose prefill half never answered fails by its deadline (I6), pages parked (I7)."""
+        for name, room in list(self.rooms.open.items()):
+            if room.stage is Stage.TRANSFER and now >= room.deadline:
+                why = (
+                    f"prefill at {room.work.peer} did not prefill room {name} in {PAIR_TIMEOUT_S} s"
+                )
+                self.engine.abort(name, why)
+                self._deliver(Failure(name, ErrorInfo(504, "timeout", why, code="pair_timeout")))
 
     def _from_prefill(self, msg: Message) -> None:
         if isinstance(msg, Failure):  # prefill refused the room: its original error (I6)

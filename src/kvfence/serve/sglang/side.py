@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
 
@@ -49,7 +50,7 @@ class Cancel:
 Command = Submit | Reject | Cancel
 
 
-class PairSide:
+class PairSide(ABC):
     """Base of `PrefillSide` and `DecodeSide`: lifecycle, commands, outboxes, pool facts."""
 
     role = ""
@@ -142,17 +143,21 @@ class PairSide:
 
     # ---- per role ------------------------------------------------------------------------
 
+    @abstractmethod
     def iterate(self) -> None:
-        raise NotImplementedError
+        """One turn of the role's loop (engine thread)."""
 
-    def counters(self) -> Counters:
-        raise NotImplementedError
+    @abstractmethod
+    def counters(self) -> Counters: ...
 
+    @abstractmethod
     def outstanding(self) -> list[PageHandle]:
-        raise NotImplementedError
+        """Every handle the engine holds (for `pool.check_integrity`)."""
 
+    @abstractmethod
     def fail_all(self, why: str) -> None:
-        raise NotImplementedError
+        """The engine loop raised: end every open request with an error (I6)."""
 
+    @abstractmethod
     def close(self) -> None:
         """Close the role's transport half."""
