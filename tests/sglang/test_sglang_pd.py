@@ -7,6 +7,7 @@ transport. One stack per module section (each start is ~15 s on 2 cores).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,6 +104,37 @@ def test_bootstrap_fields_and_rid_from_a_tenant_are_refused(hardened: Fleet) -> 
     # Through the router: the router forwards a client's rid; the workers refuse it (I9).
     r = httpx.post(f"{hardened.url}/v1/completions", headers=key, json={**base, "rid": "x"})
     assert r.status_code == 400 and "rid" in r.text
+
+
+def test_a_room_is_bound_to_the_tenant_both_workers_authenticated(hardened: Fleet) -> None:
+    """Halves of one room from two tenants (on the router's path) are refused, never paired (I9)."""
+    prefill, decode = hardened.worker("prefill"), hardened.worker("decode")
+    room = {"bootstrap_room": 4242, "bootstrap_host": "127.0.0.1"}
+    room["bootstrap_port"] = prefill.bootstrap_port
+    body = {"model": hardened.model, "prompt": "a private prompt", "max_tokens": 4, **room}
+    results: dict[str, httpx.Response] = {}
+
+    def post(role: str, url: str, tenant: str) -> None:
+        key = {"Authorization": f"Bearer {hardened.keys[tenant]}"}
+        results[role] = httpx.post(f"{url}/v1/completions", headers=key, json=body, timeout=60)
+
+    halves = [
+        threading.Thread(
+            target=post, args=("decode", hardened.stack.router_url_of(decode), "tenant-a")
+        ),
+        threading.Thread(
+            target=post, args=("prefill", hardened.stack.router_url_of(prefill), "tenant-b")
+        ),
+    ]
+    for t in halves:
+        t.start()
+    for t in halves:
+        t.join(90)
+    for role in ("prefill", "decode"):
+        r = results[role]
+        assert r.status_code == 409 and r.json()["error"]["code"] == "room_mismatch", (role, r.text)
+    facts = wait_quiet(hardened, "decode")
+    assert (facts["pages_used"], facts["pages_pending"], facts["integrity"]) == (0, 0, "ok")
 
 
 def test_engine_reject_path_reaches_decode_through_the_bootstrap_channel(
