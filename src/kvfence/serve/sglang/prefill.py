@@ -58,6 +58,7 @@ class PrefillSide(PairSide):
         self.transport = transport
         self.pairs: dict[str, _Pair] = {}  # rooms waiting for their other half
         self.live: dict[str, tuple[Sink, RoomRegistration]] = {}  # paired rooms in the engine
+        self.answered: set[str] = set()  # live rooms whose HTTP side has had its one end (I6)
         self.senders: dict[str, KVSender] = {}
         self.transfer_failures = 0
         self.room_mismatches = 0
@@ -100,11 +101,14 @@ class PrefillSide(PairSide):
             pair = self._pair(msg.room)
             pair.registration = msg
             self._settle(msg.room, pair)
-        elif isinstance(msg, Failure):  # decode refused the room: end this half with it
+        elif isinstance(msg, Failure):  # decode refused or gave up the room: end this half too
             if msg.room in self.live:
-                self.engine.abort(msg.room, msg.error.message)
-            self._pair(msg.room).failure = msg
-            self._settle(msg.room, self.pairs[msg.room])
+                self._answer(msg.room, msg)
+                self.engine.abort(msg.room, msg.error.message)  # decode hears TransferDone(False)
+                return
+            pair = self._pair(msg.room)
+            pair.failure = msg
+            self._settle(msg.room, pair)
 
     def _command(self, cmd: Submit | Reject | Cancel) -> None:
         if isinstance(cmd, Submit):
@@ -174,19 +178,29 @@ class PrefillSide(PairSide):
         if entry is not None:
             self.send(entry[1].reply_addr, note)
         if isinstance(note, TransferDone):
-            self.live.pop(room, None)
+            self._close(room)
+
+    def _answer(self, room: str, event: TokenChunk | Failure) -> None:
+        """This side's HTTP request ends exactly once (I6)."""
+        entry = self.live.get(room)
+        if entry is not None and room not in self.answered:
+            self.answered.add(room)
+            entry[0](event)
+
+    def _close(self, room: str) -> None:
+        self.live.pop(room, None)
+        self.answered.discard(room)
 
     def _end(self, room: str, failure: Failure) -> None:
         entry = self.live.get(room)
         if entry is not None:
-            entry[0](failure)
+            self._answer(room, failure)
             self.send(entry[1].reply_addr, failure)
 
     def _finished(self, t: OutboundTransfer) -> None:
         """Prefill's own answer to the router: the first token (the router returns decode's)."""
-        entry = self.live.pop(t.room, None)
-        if entry is not None:
-            entry[0](TokenChunk(t.room, (t.first_token,), finish_reason="length"))
+        self._answer(t.room, TokenChunk(t.room, (t.first_token,), finish_reason="length"))
+        self._close(t.room)
 
     def _send_kv(self, t: OutboundTransfer) -> bool:
         entry = self.live.get(t.room)
