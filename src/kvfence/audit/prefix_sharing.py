@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfence.audit import premises
 from kvfence.audit.base import (
     AuditContext,
     Check,
@@ -223,13 +224,8 @@ class PrefixSharingCheck(Check):
             return self.result(target, Verdict.INCONCLUSIVE, how, {"facts": facts.to_json()})
         rng = random.Random(ctx.rng.random())
         probe = _Probe(cfg, rng, client_a, client_b, prefix_len)
-        salt_ok = facts.cache_salt_supported.value is True
-        runs: list[tuple[str, str | None, str | None]] = []
-        if cfg.salt != "only":
-            runs.append(("unsalted", None, None))
-        if cfg.salt == "only" or (cfg.salt == "auto" and salt_ok):
-            tag = f"{rng.getrandbits(48):012x}"
-            runs.append(("salted", f"kvfence-audit-a-{tag}", f"kvfence-audit-b-{tag}"))
+        cache, salt = premises.prefix_cache(facts), premises.salt_support(facts)
+        runs, not_run = premises.prefix_runs(cfg.salt, cache, salt, rng)
         evidence: dict[str, JSONValue] = {
             "prefix_tokens": prefix_len,
             "prefix_length_from": how,
@@ -241,6 +237,8 @@ class PrefixSharingCheck(Check):
                 "error_control": "Bonferroni split of alpha over the planned looks",
             },
             "cache_salt_supported": facts.cache_salt_supported.to_json(),
+            "premises": [cache.to_json(), salt.to_json()],
+            "not_run": dict(not_run),
         }
         verdicts: list[Verdict] = []
         summaries: list[str] = []
@@ -250,13 +248,17 @@ class PrefixSharingCheck(Check):
             arms, seq = run_arms(probe, cfg, salt_a, salt_b, _progress(ctx, label))
             v, s, ev = judge(arms, seq, cfg)
             if label == "salted" and v is Verdict.PASS:
-                v, s, control = self._salt_control(probe, arms, salt_a, cfg)
+                v, s, control = self._salt_control(probe, arms, salt_a, cfg, cache)
                 ev["same_salt_control"] = control
+            if v is Verdict.FAIL and cache.absent:
+                s = f"the engine states it has no prefix cache ({cache.stated()}), yet {s}"
+                evidence["premise_contradicted"] = cache.to_json()
             ev["verdict"] = v.value
             evidence[label] = ev
             verdicts.append(v)
             summaries.append(f"{label}: {s}")
             plots.append(_hist(label, arms))
+        summaries += [f"{label}: not run — {why}" for label, why in not_run.items()]
         verdict = worst(verdicts)
         evidence["requests"] = sum(
             int(e["requests"]) for k, e in evidence.items() if k in ("unsalted", "salted")
@@ -264,7 +266,12 @@ class PrefixSharingCheck(Check):
         return self.result(target, verdict, "; ".join(summaries), evidence, plots)
 
     def _salt_control(
-        self, probe: _Probe, arms: Arms, salt_a: str | None, cfg: PrefixSharingConfig
+        self,
+        probe: _Probe,
+        arms: Arms,
+        salt_a: str | None,
+        cfg: PrefixSharingConfig,
+        cache: premises.Premise,
     ) -> tuple[Verdict, str, dict[str, JSONValue]]:
         """Same tenant, same salt must hit, else the salted pass proves nothing."""
         own = Arms()
@@ -293,6 +300,15 @@ class PrefixSharingCheck(Check):
                 Verdict.PASS,
                 f"different salts isolate (no leak in {arms.requests} requests) and the same "
                 f"salt hits ({own.requests} control requests)",
+                info,
+            )
+        if cache.absent:
+            # The control cannot hit without a cache: its miss is the stated fact, confirmed.
+            return (
+                Verdict.PASS,
+                f"no leak across salts in {arms.requests} requests; the same salt never hit "
+                f"either, as stated: "
+                + cache.decided("there is no cached prefix for a salt to isolate"),
                 info,
             )
         return (
