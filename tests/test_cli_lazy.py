@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -55,3 +56,16 @@ def test_the_supervisor_and_router_roles_do_not_import_torch() -> None:
     assert "TORCH False" in out, out
     # The supervisor and the workers do not serve HTTP: the web stack is the router's alone.
     assert "WEB []" in out, out
+
+
+def test_commands_load_with_passive_openmp_waits_unless_the_user_chose(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # libgomp reads the policy once, when torch loads it: it must be set before any
+    # command module is imported, and a policy the user set is theirs.
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    _LAZY_COMMANDS["serve"].load()
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    _LAZY_COMMANDS["serve"].load()
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
