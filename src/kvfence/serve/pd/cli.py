@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from kvfence.faults import FaultSet
-from kvfence.serve.pd.launch import RouterSpec, run_disaggregated, run_router
+from kvfence.serve.pd.launch import run_disaggregated
 from kvfence.serve.tenants import TenantRegistry
 
 # Options every role must agree on, passed through to each child of --disaggregated.
@@ -88,6 +88,8 @@ def pd_main(
             raise click.UsageError(
                 "--role router needs --prefill-addr and --decode-addr (at least one each)"
             )
+        from kvfence.serve.pd.router_role import RouterSpec, run_router  # the web stack: here only
+
         spec = RouterSpec(
             model_dir=str(model_dir),
             inbox=params["inbox"],
