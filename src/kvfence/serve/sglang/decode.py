@@ -48,6 +48,7 @@ class DecodeSide(PairSide):
         super().__init__(engine.pool, reply_addr, [Failure, Abort, TransferDone])
         self.engine = engine
         self.receiver = receiver
+        receiver.notify(self.waker.set)  # a landed transfer is reconciled and decoded at once
         self.rooms = Rooms(faults)  # one end per request (I6), shared with the other backends
         self.transfer_failures = 0
 

@@ -21,7 +21,7 @@ from kvfence.engine.backend import BackendStats, GenerateWork, PoolInfo, Sink
 from kvfence.engine.counters import Counters
 from kvfence.engine.messages import ErrorInfo, Message
 from kvfence.kv.pool import KVPool, PageHandle
-from kvfence.serve.channel import Inbox, Outbox
+from kvfence.serve.channel import Inbox, Outbox, Waker
 from kvfence.serve.sglang.fields import RoomBinding
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,8 @@ class PairSide(ABC):
         self.pool = pool
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.inbox = Inbox(self.ctx, inbox_addr, accepts)
+        self.waker = Waker()  # set by other threads (a command, a landed transfer): no idle wait
+        self.inbox.wake_on(self.waker)
         self._outboxes: dict[str, Outbox] = {}
         self._commands: deque[Command] = deque()
         self._lock = threading.Lock()
@@ -80,6 +82,7 @@ class PairSide(ABC):
             box.close()
         self.inbox.close()
         self.close()
+        self.waker.close()
         self.ctx.term()
 
     def submit(self, work: GenerateWork, sink: Sink) -> None:
@@ -108,6 +111,7 @@ class PairSide(ABC):
     def _queue(self, cmd: Command) -> None:
         with self._lock:
             self._commands.append(cmd)
+        self.waker.set()
 
     def commands(self) -> list[Command]:
         with self._lock:
