@@ -60,7 +60,7 @@ def fleet(
         args.append("--allow-undersized-pool")  # the honest mode: the edge rejects over-pool
     for f in faults.names():
         args += ["--lab-fault", f]
-    with Stack(StackSpec(tuple(args), tenants_file)) as stack:
+    with Stack(StackSpec(tuple(args), tenants_file), workdir=tmp) as stack:
         keys = {t.name: t.keys[0] for t in tenants.tenants}
         yield Fleet(stack, keys, Tokenizer.from_dir(checkpoint), checkpoint.name)
 
