@@ -14,10 +14,19 @@ phase, so requests per minute are measured, not assumed. After a pause the watch
 catches up at once (its interval elapsed while stopped), so a running phase holds at
 least as many intervals as its length allows: the cost is, if anything, overstated.
 
-Prints one line per phase (with the 1-minute load average), then one result line:
-watcher requests per minute and throughput with / without (goal >= 0.98).
+The machine is shared, so wall-clock throughput moves with other processes' load:
+paused and running phases alternate and each adjacent pair gives a ratio. A second
+figure that other processes barely move comes from the target's own CPU time (/proc):
+with no load, the target's CPU-seconds per second with the watcher running minus
+paused is what serving the watcher costs; divided by the CPU-seconds per second the
+target spends serving the load, it is the share of capacity the watcher takes
+(capacity ratio = 1 - share).
 
-Usage: python bench/watch_load.py [--preset smollm|tiny] [--phases 4] [--phase-s 90]
+Prints one line per phase (with the 1-minute load average), then one result line:
+watcher requests per minute, throughput with / without and per pair, and the capacity
+ratio (goal >= 0.98).
+
+Usage: python bench/watch_load.py [--preset smollm|tiny] [--phases 6] [--phase-s 60]
            [--concurrency 4] [--seed 0] [--quick]
 """
 
@@ -66,14 +75,25 @@ class Phase:
     ttft_p50_ms: float
     wall_s: float
     load1: float
+    target_cpu_s: float  # CPU seconds the target process spent in the phase
+    first_error: str | None
 
     def line(self) -> str:
         mode = "watcher running" if self.watcher else "watcher paused "
         return (
             f"  phase {self.index}: {mode} out_tok_s={self.tok_s:8.1f} "
             f"requests={self.requests} errors={self.errors} "
-            f"ttft_p50_ms={self.ttft_p50_ms:7.1f} wall_s={self.wall_s:6.1f} load1={self.load1:.1f}"
+            f"ttft_p50_ms={self.ttft_p50_ms:7.1f} wall_s={self.wall_s:6.1f} "
+            f"target_cpu_s={self.target_cpu_s:6.1f} "
+            f"load1={self.load1:.1f}"
+            + (f" first_error={self.first_error}" if self.first_error else "")
         )
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads) from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def load_phase(
@@ -83,26 +103,27 @@ async def load_phase(
     concurrency: int,
     rng: random.Random,
     args: argparse.Namespace,
-) -> tuple[int, int, int, list[float], float]:
+) -> tuple[int, int, list[str], list[float], float]:
     """Closed-loop streams until the deadline; (tokens, requests, errors, ttfts_ms, wall_s)."""
     id_limit = PRESETS[args.preset].tokenizer_size
     headers = {"Authorization": f"Bearer {KEYS['load']}"}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    tokens = requests = errors = 0
+    tokens = requests = 0
+    errors: list[str] = []
     ttfts: list[float] = []
     async with httpx.AsyncClient(limits=limits, timeout=600.0, headers=headers) as client:
         start = time.perf_counter()
         deadline = start + seconds
 
         async def stream() -> None:
-            nonlocal tokens, requests, errors
+            nonlocal tokens, requests
             while time.perf_counter() < deadline:
                 n = rng.randint(args.prompt_min, args.prompt_max)
                 prompt = [rng.randrange(FIRST_ID, id_limit) for _ in range(n)]
                 out = await one_request(client, url, model, prompt, args.output_tokens, True)
                 requests += 1
                 if out.error is not None:
-                    errors += 1
+                    errors.append(out.error)
                     continue
                 tokens += out.output_tokens
                 ttfts.append(out.ttft_s * 1000)
@@ -189,44 +210,89 @@ def measure(
     headers = {"Authorization": f"Bearer {KEYS['load']}"}
     models = httpx.get(target.url + "/v1/models", headers=headers, timeout=30.0).json()
     model = str(models["data"][0]["id"])
-    phases: list[Phase] = []
-    sent = first
-    running_s = 0.0
-    for i in range(args.phases):
-        on = i % 2 == 1  # paused first: the baseline never follows a catch-up it did not cause
-        os.killpg(watcher.pid, signal.SIGCONT if on else signal.SIGSTOP)
-        rng = random.Random(args.seed * 1000 + i)
-        tokens, n, errors, ttfts, wall = asyncio.run(
-            load_phase(target.url, model, args.phase_s, args.concurrency, rng, args)
-        )
-        if on:
-            running_s += wall
-        phase = Phase(
-            i, on, tokens / wall, n, errors, percentile(ttfts, 50), wall, os.getloadavg()[0]
-        )
-        print(phase.line(), flush=True)
-        phases.append(phase)
-    os.killpg(watcher.pid, signal.SIGCONT)
+    phases = [load_step(args, target, watcher, model, i) for i in range(args.phases)]
     after = watcher_requests(metrics_url)
-    rpm = (after - sent) / (running_s / 60) if after is not None and running_s else float("nan")
-    base = [p.tok_s for p in phases if not p.watcher]
-    with_w = [p.tok_s for p in phases if p.watcher]
-    b, w = sum(base) / len(base), sum(with_w) / len(with_w)
+    running_s = sum(p.wall_s for p in phases if p.watcher)
+    rpm = (after - first) / (running_s / 60) if after is not None else float("nan")
+    idle, alone, alone_rpm = idle_pair(args, target, watcher, metrics_url, after)
+    pairs = list(zip(phases[0::2], phases[1::2], strict=True))  # (paused, running), adjacent
+    wall_ratios = sorted(r.tok_s / p.tok_s for p, r in pairs)
+    base = sum(p.tok_s for p, _ in pairs) / len(pairs)
+    with_w = sum(r.tok_s for _, r in pairs) / len(pairs)
+    busy = sum(p.target_cpu_s / p.wall_s for p in phases) / len(phases)  # cores busy under load
+    share = (alone - idle) / busy if busy > 0 else float("nan")
     print(
         f"watch_load: preset={args.preset} context={args.context} concurrency={args.concurrency} "
         f"watcher defaults (interval 60 s, <= 60 requests/min, canary + timing): "
-        f"{rpm:.1f} requests/min measured; throughput without {b:.1f} / with {w:.1f} out tok/s, "
-        f"ratio {w / b:.3f} (goal >= 0.98); load1={os.getloadavg()[0]:.1f}",
+        f"{rpm:.1f} requests/min under load, {alone_rpm:.1f} alone; throughput without "
+        f"{base:.1f} / with {with_w:.1f} out tok/s, ratio {with_w / base:.3f} (per pair "
+        f"{_fmt(wall_ratios)}); the watcher's requests cost the target {alone - idle:.3f} CPU-s/s "
+        f"alone vs {busy:.2f} CPU-s/s serving the load: capacity ratio {1 - share:.4f} "
+        f"(goal >= 0.98); load1={os.getloadavg()[0]:.1f}",
         flush=True,
     )
+
+
+def load_step(
+    args: argparse.Namespace,
+    target: PeerServer,
+    watcher: subprocess.Popen[bytes],
+    model: str,
+    i: int,
+) -> Phase:
+    """One load phase; the watcher paused on even phases (first: the baseline), running on odd."""
+    on = i % 2 == 1
+    os.killpg(watcher.pid, signal.SIGCONT if on else signal.SIGSTOP)
+    rng = random.Random(args.seed * 1000 + i)
+    cpu0 = cpu_seconds(target.pid)
+    tokens, n, errors, ttfts, wall = asyncio.run(
+        load_phase(target.url, model, args.phase_s, args.concurrency, rng, args)
+    )
+    cpu = cpu_seconds(target.pid) - cpu0
+    first_error = errors[0][:160] if errors else None
+    phase = Phase(
+        i, on, tokens / wall, n, len(errors), percentile(ttfts, 50), wall,
+        os.getloadavg()[0], cpu, first_error,
+    )  # fmt: skip
+    print(phase.line(), flush=True)
+    return phase
+
+
+def idle_pair(
+    args: argparse.Namespace,
+    target: PeerServer,
+    watcher: subprocess.Popen[bytes],
+    metrics_url: str,
+    sent: float | None,
+) -> tuple[float, float, float]:
+    """No load: the target's CPU-s/s with the watcher paused, then running; and its rate."""
+    rates = []
+    for on in (False, True):
+        os.killpg(watcher.pid, signal.SIGCONT if on else signal.SIGSTOP)
+        cpu0, t0 = cpu_seconds(target.pid), time.monotonic()
+        time.sleep(args.phase_s)
+        wall = time.monotonic() - t0
+        rates.append((cpu_seconds(target.pid) - cpu0) / wall)
+        print(
+            f"  idle: watcher {'running' if on else 'paused '} target_cpu_s_per_s={rates[-1]:.4f} "
+            f"wall_s={wall:.1f} load1={os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
+    after = watcher_requests(metrics_url)
+    alone_rpm = (after - sent) / (args.phase_s / 60) if after and sent else float("nan")
+    return rates[0], rates[1], alone_rpm
+
+
+def _fmt(values: list[float]) -> str:
+    return ", ".join(f"{v:.3f}" for v in values)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="smollm")
     ap.add_argument("--context", type=int, default=2048, help="the target's context length")
-    ap.add_argument("--phases", type=int, default=4, help="alternating paused/running, even")
-    ap.add_argument("--phase-s", type=float, default=90.0)
+    ap.add_argument("--phases", type=int, default=6, help="alternating paused/running, even")
+    ap.add_argument("--phase-s", type=float, default=60.0)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--prompt-min", type=int, default=64)
     ap.add_argument("--prompt-max", type=int, default=256)
