@@ -142,6 +142,16 @@ def audit_verdicts(url: str, keys: dict[str, str], operator: str, out: Path) -> 
     return {r["check"]: r["verdict"] for r in rep["results"]}
 
 
+def over_long_probe(report: Path, kind: str) -> dict[str, Any]:
+    """The canary's `kind` ("pool"/"limit") + 1 probe, with its measured length, from a report."""
+    import json
+
+    rep = json.loads(report.read_text())
+    canary = next(r for r in rep["results"] if r["check"] == "canary")
+    probes = canary["evidence"]["over_long_probes"]
+    return dict(next(p for p in probes if p["label"].startswith(f"over-{kind}")))
+
+
 def edge_verdicts(checkpoint: Path, faults: FaultSet, out: Path) -> dict[str, str]:
     """The same audit at kvfence's own edge (the single-process lab server, same switches)."""
     from kvfence.lab.scenario import OPERATOR, lab_server

@@ -23,6 +23,7 @@ from sgl_helpers import (
     edge_verdicts,
     fleet,
     incident,
+    over_long_probe,
     text_of,
     wait_quiet,
 )
@@ -86,6 +87,11 @@ def test_audit_through_the_router_matches_kvfences_own_edge(
     edge = edge_verdicts(sgl_checkpoint, FaultSet(), tmp_path / "e.json")
     assert routed == edge, (routed, edge)
     assert routed["canary"] == routed["boundary"] == "pass"
+    # Here max_input (335) < pool: the limit + 1 probe is the reject probe. Through the router it
+    # is text, counted on the prefill worker's /tokenize and provably over the limit.
+    probe = over_long_probe(tmp_path / "r.json", "limit")
+    assert probe["verified_over_bound"] and probe["prompt_tokens"] > probe["bound"], probe
+    assert "/tokenize on prefill worker" in probe["measured_by"], probe
 
 
 def test_bootstrap_fields_and_rid_from_a_tenant_are_refused(hardened: Fleet) -> None:
@@ -158,12 +164,16 @@ def test_incident_profile_leaks_through_the_real_router(
         routed = audit_verdicts(f.url, f.keys, OPERATOR_KEY, tmp_path / "r.json")
     # `kvfence audit` at the router sees what it sees at kvfence's own edge: the leak is red.
     edge = edge_verdicts(sgl_checkpoint, faults, tmp_path / "e.json")
-    # Not canary: through this router (text prompts only) its prompts are calibrated text, and
-    # its `pool + 1` probe can land at or under the pool, missing the reject path the edge's
-    # exact token ids hit (seen: canary pass via the router, fail at the edge). Known gap.
-    same = ("capacity", "boundary", "counters")
+    # Canary too: through this router its prompts are text, and its `pool + 1` probe is counted
+    # on a prefill worker's /tokenize and grown until it is provably over the pool.
+    same = ("capacity", "boundary", "counters", "canary")
     assert {c: routed[c] for c in same} == {c: edge[c] for c in same}, (routed, edge)
-    assert routed["boundary"] == "fail" and edge["canary"] == "fail", (routed, edge)
+    assert routed["boundary"] == "fail" and routed["canary"] == "fail", (routed, edge)
+    probe = over_long_probe(tmp_path / "r.json", "pool")
+    assert probe["verified_over_bound"] and probe["prompt_tokens"] > SCALE.prefill_pool_tokens
+    assert probe["prompt_tokens"] < SCALE.context_length, probe  # over the pool, in the limit
+    # The engine's own count (it answered 200 here: the leak) agrees with the measured one.
+    assert probe["prompt_tokens"] in probe["usage_prompt_tokens"], probe
     assert not clean_reject(inc)
     assert inc.b.status == 200
     assert inc.b.reported_prompt_tokens == inc.b.prompt_tokens  # B's own count, like the incident

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvfence.audit.base import AuditContext, Check, CheckResult, Verdict
 from kvfence.audit.client import ProbeResponse
+from kvfence.audit.probe_length import OverLong, TokenCounter, over_bound
 from kvfence.audit.prompts import Prompt, PromptMaker, make_sentinel, random_words
 from kvfence.audit.targets.base import Target, TargetFacts
 
@@ -113,12 +114,9 @@ class CanaryCheck(Check):
                 return self.result(target, Verdict.INCONCLUSIVE, "could not build A's prompts")
             planted.append(Planted(sentinel, self._fragments(maker_a, sentinel), p.tokens))
             a_prompts.append(p)
-        b_prompts = []
-        for n, _ in b_lengths:
-            p = maker_b.make(n, head=random_words(ctx.rng, 6))
-            if p is None:
-                return self.result(target, Verdict.INCONCLUSIVE, "could not build B's prompts")
-            b_prompts.append(p)
+        b_prompts, probes = self._b_prompts(ctx, maker_b, b_lengths, facts)
+        if b_prompts is None:
+            return self.result(target, Verdict.INCONCLUSIVE, "could not build B's prompts")
         observed: list[Observed] = []
         total = len(a_prompts) * (1 + len(b_prompts)) * 2
         done = 0
@@ -151,7 +149,28 @@ class CanaryCheck(Check):
                 done += 1
                 ctx.progress("canary (interleaved)", done / total)
             a_interleaved = [f.result() for f in futs_a]
-        return self._verdict(target, planted, a_interleaved, observed)
+        return self._verdict(target, planted, a_interleaved, observed, probes)
+
+    @staticmethod
+    def _b_prompts(
+        ctx: AuditContext, maker: PromptMaker, lengths: list[tuple[int, str]], facts: TargetFacts
+    ) -> tuple[list[Prompt] | None, list[OverLong]]:
+        """B's prompts; each over-long one grown until its measured length is over its bound."""
+        out: list[Prompt] = []
+        probes: list[OverLong] = []
+        counter = TokenCounter(maker.client, facts)
+        try:
+            for n, label in lengths:
+                p = maker.make(n, head=random_words(ctx.rng, 6))
+                if p is None:
+                    return None, probes
+                if label.startswith("over"):  # "pool + 1" / "limit + 1": the bound is n - 1
+                    probes.append(over_bound(maker, counter, label, p, n - 1))
+                    p = probes[-1].prompt
+                out.append(p)
+        finally:
+            counter.close()
+        return out, probes
 
     @staticmethod
     def _fragments(maker: PromptMaker, sentinel: str) -> list[str]:
@@ -169,6 +188,7 @@ class CanaryCheck(Check):
         planted: list[Planted],
         a_interleaved: list[ProbeResponse],
         observed: list[Observed],
+        probes: list[OverLong] | None = None,
     ) -> CheckResult:
         hits: list[dict[str, Any]] = []
         for ob in observed:
@@ -206,6 +226,10 @@ class CanaryCheck(Check):
             "hits": hits[:20],
             "hit_count": len(hits),
         }
+        evidence["over_long_probes"] = [
+            pr.to_json([o.response for o in observed if o.label.endswith(pr.label)])
+            for pr in probes or []
+        ]
         if hits:
             first = hits[0]
             return self.result(
@@ -230,11 +254,16 @@ class CanaryCheck(Check):
                 f"{len(observed) - b_answered} tenant-B requests got no HTTP answer",
                 evidence,
             )
+        unverified = [f"{pr.label}: {pr.tokens} tokens" for pr in probes or [] if not pr.verified]
+        over_note = (
+            f"; not verified over their bound: {', '.join(unverified)}" if unverified else ""
+        )
         return self.result(
             target,
             Verdict.PASS,
             f"{len(planted)} sentinels, {a_ok} A requests, {len(observed)} B requests "
-            "(sequential and interleaved, incl. over-long): no sentinel or 4-token fragment in B",
+            "(sequential and interleaved, incl. over-long): no sentinel or 4-token fragment in B"
+            + over_note,
             evidence,
         )
 

@@ -183,6 +183,15 @@ class PromptMaker:
         exact = per_word == 1
         return Prompt(body, offset + head_tokens + words * per_word, body, exact)
 
+    def grow(self, p: Prompt, n_tokens: int) -> Prompt | None:
+        """`p` with about `n_tokens` more filler tokens appended (calibrated text only)."""
+        cal = self.calibrate()
+        if cal is None or not isinstance(p.payload, str):
+            return None
+        words = max(1, -(-n_tokens // cal[0]))
+        body = p.payload + self._word * words
+        return Prompt(body, p.tokens + words * cal[0], body, exact=False)
+
     def make(self, n: int, head: str = "", repeat_head: bool = False) -> Prompt | None:
         """Token ids when the server tokenizes for us, else calibrated text; None if neither."""
         if self.use_tokenize:
