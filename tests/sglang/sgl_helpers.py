@@ -44,18 +44,24 @@ class Fleet:
 
 @contextmanager
 def fleet(
-    checkpoint: Path, tmp: Path, faults: FaultSet | None = None, transport: str = "tcp"
+    checkpoint: Path,
+    tmp: Path,
+    faults: FaultSet | None = None,
+    transport: str = "tcp",
+    prefix_cache: bool = False,
 ) -> Iterator[Fleet]:
     faults = faults or FaultSet()
     tenants = TenantRegistry.generate(("tenant-a", "tenant-b")).with_operator_keys((OPERATOR_KEY,))
     tenants_file = tmp / "tenants.json"
     tenants_file.write_text(tenants.to_json())
     args = [
-        "--model", str(checkpoint), "--model-kind", "mirror", "--no-prefix-cache",
+        "--model", str(checkpoint), "--model-kind", "mirror",
         "--context-length", str(SCALE.context_length), "--page-size", str(SCALE.page_size),
         "--kv-pages", f"prefill={SCALE.prefill_pages},decode={SCALE.decode_pages}",
         "--torch-threads", "1", "--transport", transport,
     ]  # fmt: skip
+    if not prefix_cache:
+        args.append("--no-prefix-cache")
     if Fault.UNDERSIZED_POOL not in faults:
         args.append("--allow-undersized-pool")  # the honest mode: the edge rejects over-pool
     for f in faults.names():
@@ -127,7 +133,9 @@ def clean_reject(inc: Incident) -> bool:
 AUDIT_CHECKS = "capacity,boundary,canary,counters"
 
 
-def audit_verdicts(url: str, keys: dict[str, str], operator: str, out: Path) -> dict[str, str]:
+def audit_verdicts(
+    url: str, keys: dict[str, str], operator: str, out: Path, checks: str = AUDIT_CHECKS
+) -> dict[str, str]:
     """`kvfence audit` in-process against `url`: each check's verdict."""
     import json
 
@@ -136,7 +144,7 @@ def audit_verdicts(url: str, keys: dict[str, str], operator: str, out: Path) -> 
     from kvfence.cli import main
 
     args = ["audit", "--target", url, "--key-a", keys["tenant-a"], "--key-b", keys["tenant-b"]]
-    args += ["--operator-key", operator, "--checks", AUDIT_CHECKS, "--quiet", "--json", str(out)]
+    args += ["--operator-key", operator, "--checks", checks, "--quiet", "--json", str(out)]
     CliRunner().invoke(main, args, catch_exceptions=False)
     rep = json.loads(out.read_text())
     return {r["check"]: r["verdict"] for r in rep["results"]}

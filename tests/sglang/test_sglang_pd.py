@@ -7,6 +7,7 @@ transport. One stack per module section (each start is ~15 s on 2 cores).
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -199,3 +200,18 @@ def test_real_transports_behind_the_router(
     assert (got.status, got.text) == (200, want.text), got.body
     assert over.status == 400, over.body
     assert (facts["pages_used"], facts["pages_pending"], facts["integrity"]) == (0, 0, "ok")
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["namespaced", "shared-prefix-cache"])
+def test_prefix_sharing_through_the_text_only_router_is_decided(
+    sgl_checkpoint: Path, tmp_path: Path, shared: bool
+) -> None:
+    """The router refuses token ids (422): the check falls back to text and still decides."""
+    faults = FaultSet.of(Fault.SHARED_PREFIX_CACHE) if shared else FaultSet()
+    with fleet(sgl_checkpoint, tmp_path, faults, prefix_cache=True) as f:
+        out = tmp_path / "r.json"
+        routed = audit_verdicts(f.url, f.keys, OPERATOR_KEY, out, checks="prefix_sharing")
+    rep = json.loads(out.read_text())
+    ev = next(r for r in rep["results"] if r["check"] == "prefix_sharing")["evidence"]
+    assert ev["prompts"].startswith("random words"), ev["prompts"]
+    assert routed["prefix_sharing"] == ("fail" if shared else "pass"), ev
