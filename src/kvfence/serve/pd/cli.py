@@ -49,6 +49,10 @@ def pd_main(
     announce: Callable[..., None],
 ) -> int:
     role = params["role"]
+    if params["pd_router"] == "sglang":
+        from kvfence.serve.sglang.cli import sglang_main
+
+        return sglang_main(params, faults, tenants, model_dir)
     if params["disaggregated"]:
         if role is not None:
             raise click.UsageError("--disaggregated starts every role; --role runs one of them")
