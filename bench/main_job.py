@@ -7,7 +7,8 @@ turn (baseline, this tree, baseline, ...), each in a fresh interpreter with
 `PYTHONPATH` pointing at that tree's `src/` (the servers it spawns inherit
 it). Every run must exit 0 with the demo's verdicts (the lab FAILs capacity,
 boundary, canary, noninterference and latency; the hardened engine passes
-everything): a faster run with different verdicts is not a result.
+everything): a run with other verdicts is printed as NOT AS EXPECTED and
+left out of the medians (a faster run with different verdicts is not a result).
 
 Prints one line per run and one summary line:
 
@@ -56,7 +57,8 @@ def load1() -> str:
     return f"{os.getloadavg()[0]:.1f}"
 
 
-def run_main_job(src: Path) -> Run:
+def run_main_job(src: Path) -> Run | str:
+    """One main job from `src`; a string says why it did not come out as the demo expects."""
     env = {**os.environ, "PYTHONPATH": str(src)}
     start = time.perf_counter()
     done = subprocess.run(
@@ -64,9 +66,9 @@ def run_main_job(src: Path) -> Run:
     )
     wall = time.perf_counter() - start
     found = re.search(r"HTML report: (\S+)", done.stdout)
-    if done.returncode != 0 or found is None:
+    if found is None:
         raise SystemExit(
-            f"the main job from {src} exited {done.returncode} (want 0):\n"
+            f"the main job from {src} exited {done.returncode} with no report:\n"
             f"{done.stdout[-3000:]}{done.stderr[-3000:]}"
         )
     report = json.loads(Path(found.group(1)).with_name("report.json").read_text())
@@ -77,14 +79,19 @@ def run_main_job(src: Path) -> Run:
     )
     began = datetime.fromisoformat(report["started_at"]).timestamp()
     startup = began - (time.time() - wall)  # started_at has one-second resolution
+    wrong = unexpected(verdicts)
+    if done.returncode != 0 or wrong:
+        return f"exit={done.returncode} wall_s={wall:.1f} {'; '.join(wrong)}"
     return Run(wall, report["duration_s"], max(0.0, startup), report["requests_sent"], verdicts)
 
 
-def check_verdicts(run: Run, tree: str) -> None:
-    for target, check, verdict in run.verdicts:
+def unexpected(verdicts: tuple[tuple[str, str, str], ...]) -> list[str]:
+    out = []
+    for target, check, verdict in verdicts:
         want = "fail" if target == "lab" and check in LAB_FAILS else "pass"
         if verdict != want:
-            raise SystemExit(f"{tree}: {target} {check} was {verdict}, the demo expects {want}")
+            out.append(f"{target} {check} was {verdict}, the demo expects {want}")
+    return out
 
 
 def baseline_tree(ref: str, tmp: Path) -> Path:
@@ -119,11 +126,14 @@ def main() -> None:
 
 
 def measure(trees: dict[str, Path], repeats: int) -> dict[str, list[Run]]:
+    """Runs that came out as expected, per tree; the others are printed and counted apart."""
     runs: dict[str, list[Run]] = {name: [] for name in trees}
     for i in range(repeats):
         for name, src in trees.items():
             run = run_main_job(src)
-            check_verdicts(run, name)
+            if isinstance(run, str):
+                print(f"run tree={name} i={i} NOT AS EXPECTED {run} load1={load1()}", flush=True)
+                continue
             runs[name].append(run)
             print(
                 f"run tree={name} i={i} wall_s={run.wall_s:.2f} runbook_s={run.runbook_s:.2f} "
@@ -134,6 +144,9 @@ def measure(trees: dict[str, Path], repeats: int) -> dict[str, list[Run]]:
 
 
 def summarize(runs: dict[str, list[Run]]) -> None:
+    if not all(runs.values()):
+        print(f"main_job no comparison: a tree had no run as expected load1={load1()}")
+        return
     wall = {n: statistics.median(r.wall_s for r in rs) for n, rs in runs.items()}
     book = {n: statistics.median(r.runbook_s for r in rs) for n, rs in runs.items()}
     line = f"main_job median_wall_s new={wall['new']:.2f}"
