@@ -49,7 +49,7 @@ from kvfence.audit.base import (
     worst,
 )
 from kvfence.audit.client import ProbeClient, ProbeResponse
-from kvfence.audit.prompts import random_words
+from kvfence.audit.prefix_prompts import Pieces, RandomPrompts
 from kvfence.audit.stats import SequentialDesign, SequentialKS, SequentialResult
 from kvfence.audit.targets.base import Target, TargetFacts
 
@@ -114,18 +114,8 @@ class Arms:
         return bool(self.shared_cached or self.fresh_cached)
 
 
-Pieces = list[Any]  # a prompt: token ids, or words in text mode
-TOKEN_IDS_REFUSED = 422  # sglang-router 0.3.2 answers a token-id prompt so (text only)
-TEXT_MARGIN = 0.9  # text prompts aim under the token budget: a word's count varies
-
-
 class _Probe:
-    """Sends one trial's three requests and records what they showed.
-
-    Prompts are random token ids; a target that refuses token ids (HTTP 422 on
-    the first warm-up) gets random words instead, sized from `usage.prompt_tokens`
-    of one sample, so a fleet behind a text-only router still gets a verdict.
-    """
+    """Sends one trial's three requests and records what they showed."""
 
     def __init__(
         self,
@@ -138,48 +128,19 @@ class _Probe:
         self.cfg, self.rng = cfg, rng
         self.a, self.b = client_a, client_b
         self.prefix_len = prefix_len
-        self.tokens_per_word: float | None = None  # set when prompts are text
-        self.ids_decided = False
-
-    def tokens(self, n: int) -> Pieces:
-        return random_tokens(self.rng, n, self.cfg.token_range)
+        self.prompts = RandomPrompts(rng, cfg.token_range)
 
     def prompt(self, n: int) -> Pieces:
-        """`n` random tokens: ids, or (text mode) words that come to about that many tokens."""
-        if self.tokens_per_word is None:
-            return self.tokens(n)
-        return random_words(self.rng, max(1, int(n * TEXT_MARGIN / self.tokens_per_word))).split()
-
-    def refuses_ids(self, first: ProbeResponse) -> bool:
-        """On the first answer only: token ids refused, so switch to text (sized from a sample)."""
-        if self.ids_decided:
-            return False
-        self.ids_decided = True
-        if first.status != TOKEN_IDS_REFUSED or self.tokens_per_word is not None:
-            return False
-        r = self.a.completion(random_words(self.rng, 64), max_tokens=1)
-        if not r.ok or r.prompt_tokens is None or r.prompt_tokens < 1:
-            return False  # unsized: the 422 stays an error and the run is inconclusive
-        self.tokens_per_word = r.prompt_tokens / 64
-        return True
-
-    def described(self) -> str:
-        if self.tokens_per_word is None:
-            return "random token ids"
-        return (
-            f"random words, {self.tokens_per_word:.2f} tokens per word (usage.prompt_tokens): "
-            f"the target refused token ids (HTTP {TOKEN_IDS_REFUSED})"
-        )
+        return self.prompts.make(n)
 
     def send(self, client: ProbeClient, prompt: Pieces, salt: str | None) -> ProbeResponse:
         extra = {"cache_salt": salt} if salt is not None else None
-        text = self.tokens_per_word is not None
-        return client.ttft(" ".join(prompt) if text else prompt, extra=extra)
+        return client.ttft(self.prompts.payload(prompt), extra=extra)
 
     def trial(self, arms: Arms, salt_a: str | None, salt_b: str | None) -> None:
         prefix = self.prompt(self.prefix_len)
         warm = self.send(self.a, prefix + self.prompt(self.cfg.suffix_tokens), salt_a)
-        if self.refuses_ids(warm):
+        if self.prompts.refused(warm, self.a):
             arms.requests += 2  # the refused warm-up and the sizing sample
             prefix = self.prompt(self.prefix_len)
             warm = self.send(self.a, prefix + self.prompt(self.cfg.suffix_tokens), salt_a)
@@ -305,7 +266,7 @@ class PrefixSharingCheck(Check):
             plots.append(_hist(label, arms))
         summaries += [f"{label}: not run — {why}" for label, why in not_run.items()]
         verdict = worst(verdicts)
-        evidence["prompts"] = probe.described()
+        evidence["prompts"] = probe.prompts.described()
         evidence["requests"] = sum(
             int(e["requests"]) for k, e in evidence.items() if k in ("unsalted", "salted")
         )
@@ -325,7 +286,7 @@ class PrefixSharingCheck(Check):
         result: SequentialResult | None = None
         # A re-reads its own prefixes with its own salt: "B" is A here.
         control = _Probe(cfg, probe.rng, probe.a, probe.a, probe.prefix_len)
-        control.tokens_per_word, control.ids_decided = probe.tokens_per_word, probe.ids_decided
+        control.prompts.like(probe.prompts)
         while result is None and len(own.shared) < cfg.design.max_per_arm:
             before = len(own.shared)
             n = cfg.salt_control_trials if not own.shared else cfg.design.batch
