@@ -165,13 +165,12 @@ def test_incident_profile_leaks_through_the_real_router(
         routed = audit_verdicts(f.url, f.keys, OPERATOR_KEY, tmp_path / "r.json")
     # `kvfence audit` at the router sees what it sees at kvfence's own edge: the leak is red.
     edge = edge_verdicts(sgl_checkpoint, faults, tmp_path / "e.json")
-    # Not canary: its `pool + 1` probe is now counted on a prefill worker's /tokenize and grown
-    # until provably over the pool (asserted below), yet through this router the canary still
-    # passes in some runs (seen: 337 measured, six 200s with usage 337, no hit). At the edge its
-    # hit is interleaved (A and B at once), a race on which pages B reads. Known gap.
-    same = ("capacity", "boundary", "counters")
+    # Canary too: through this router its prompts are text; its `pool + 1` probe is counted on
+    # a prefill worker's /tokenize and grown until provably over the pool, and it runs right
+    # after A's request (before a short B request reuses A's freed pages).
+    same = ("capacity", "boundary", "counters", "canary")
     assert {c: routed[c] for c in same} == {c: edge[c] for c in same}, (routed, edge)
-    assert routed["boundary"] == "fail" and edge["canary"] == "fail", (routed, edge)
+    assert routed["boundary"] == "fail" and routed["canary"] == "fail", (routed, edge)
     probe = over_long_probe(tmp_path / "r.json", "pool")
     assert probe["verified_over_bound"] and probe["prompt_tokens"] > SCALE.prefill_pool_tokens
     assert probe["prompt_tokens"] < SCALE.context_length, probe  # over the pool, in the limit

@@ -120,10 +120,15 @@ class CanaryCheck(Check):
         observed: list[Observed] = []
         total = len(a_prompts) * (1 + len(b_prompts)) * 2
         done = 0
-        # Sequential: each A request completes, then B probes the freed pages.
+        # Sequential: each A request completes, then B probes the freed pages — over-long
+        # probes first, while the pages still hold A's KV (a short B request would reuse them
+        # first: seen through sglang-router, where it hid the leak of the over-pool probe).
+        sequential = sorted(
+            zip(b_lengths, b_prompts, strict=True), key=lambda lp: not lp[0][1].startswith("over")
+        )
         for i, (pa, pl) in enumerate(zip(a_prompts, planted, strict=True)):
             pl.response = a.completion(pa.payload, max_tokens=A_MAX_TOKENS)
-            for (_, label), pb in zip(b_lengths, b_prompts, strict=True):
+            for (_, label), pb in sequential:
                 stream = label.startswith("over") and i % 2 == 1
                 r = b.completion(pb.payload, max_tokens=B_MAX_TOKENS, stream=stream)
                 observed.append(
