@@ -43,24 +43,7 @@ class CountersCheck(Check):
                 Verdict.SKIPPED,
                 f"{target.engine} exports no isolation or transfer failure counters",
             )
-        rows: list[dict[str, Any]] = []
-        moved, unreadable = [], []
-        for name in sorted(
-            set(watched) | {k for k, f in after.items() if INFORMATIONAL not in f.note}
-        ):
-            b, a = before.get(name), after.get(name)
-            seen = a or b
-            row = {
-                "counter": name,
-                "before": b.value if b else None,
-                "after": a.value if a else None,
-                "source": seen.source if seen else "",
-            }
-            rows.append(row)
-            if b is None or a is None or not b.known or not a.known:
-                unreadable.append(name)
-            elif a.value != b.value:
-                moved.append(f"{name} {b.value} → {a.value}")
+        rows, moved, unreadable = compare(before, after)
         informational = {
             k: {"before": before[k].value if k in before else None, "after": f.value}
             for k, f in after.items()
@@ -88,3 +71,30 @@ class CountersCheck(Check):
             + ", ".join(f"{r['counter']}={r['after']}" for r in rows),
             evidence,
         )
+
+
+def compare(
+    before: dict[str, Fact], after: dict[str, Fact]
+) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """(a row per watched counter, the ones that moved, the ones not readable both times)."""
+    watched = {k for k, f in before.items() if INFORMATIONAL not in f.note}
+    watched |= {k for k, f in after.items() if INFORMATIONAL not in f.note}
+    rows: list[dict[str, Any]] = []
+    moved: list[str] = []
+    unreadable: list[str] = []
+    for name in sorted(watched):
+        b, a = before.get(name), after.get(name)
+        seen = a or b
+        rows.append(
+            {
+                "counter": name,
+                "before": b.value if b else None,
+                "after": a.value if a else None,
+                "source": seen.source if seen else "",
+            }
+        )
+        if b is None or a is None or not b.known or not a.known:
+            unreadable.append(name)
+        elif a.value != b.value:
+            moved.append(f"{name} {b.value} → {a.value}")
+    return rows, moved, unreadable

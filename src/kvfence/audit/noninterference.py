@@ -28,7 +28,7 @@ from typing import Any
 
 from kvfence.audit.base import AuditContext, Check, CheckResult, JSONValue, Verdict
 from kvfence.audit.client import ProbeClient, ProbeResponse
-from kvfence.audit.stats import divergence_excess
+from kvfence.audit.stats import DivergenceTest, divergence_excess
 from kvfence.audit.targets.base import Target, TargetFacts
 
 
@@ -220,6 +220,7 @@ class NoninterferenceCheck(Check):
         self.config = config or NoninterferenceConfig()
 
     def run(self, ctx: AuditContext, target: Target) -> CheckResult:
+        """B's references -> B's repeats alone -> B's repeats under A's load -> Fisher test."""
         cfg = self.config
         client_a, client_b = ctx.client(target, "a"), ctx.client(target, "b")
         target.facts(client_a)
@@ -228,17 +229,8 @@ class NoninterferenceCheck(Check):
         rng = random.Random(ctx.rng.random())
         lo, hi = cfg.token_range
         all_prompts = [[rng.randrange(lo, hi) for _ in range(n)] for n in lengths]
-        logprobs: int | None = cfg.logprobs
-
-        def send(prompt: list[int]) -> ProbeResponse:
-            return client_b.completion(
-                prompt, max_tokens=cfg.max_tokens, temperature=0.0, logprobs=logprobs
-            )
-
-        first = send(all_prompts[0])
-        if first.status == 400 and logprobs is not None:
-            logprobs = None  # the target refuses logprobs: compare text and tokens only
-            first = send(all_prompts[0])
+        probes = _Probes(client_b, cfg, cfg.logprobs)
+        first = probes.first(all_prompts[0])
         if not first.ok:
             return self.result(
                 target,
@@ -246,47 +238,14 @@ class NoninterferenceCheck(Check):
                 f"B's probe failed alone (status {first.status}): nothing to compare",
                 {"probe": first.brief()},
             )
-        # A probe the target refuses (e.g. the long one on an undersized pool that
-        # rejects at the edge, I4) has no reference answer: it is dropped, on record.
-        prompts: list[list[int]] = [all_prompts[0]]
-        refs = [answer_of(first)]
-        dropped: list[dict[str, JSONValue]] = []
-        for prompt in all_prompts[1:]:
-            ref = send(prompt)
-            if ref.ok:
-                prompts.append(prompt)
-                refs.append(answer_of(ref))
-            else:
-                dropped.append({"prompt_tokens": len(prompt), **ref.brief()})
-
-        def ask(i: int) -> ProbeResponse:
-            return send(prompts[i])
-
-        probes = len(prompts)
-        ctx.progress("noninterference: baseline", 0.0)
-        alone = Tally()
-        for rep in range(cfg.repeats):
-            for i in range(probes):
-                alone.record(i, refs[i], ask(i))
-            ctx.progress("noninterference: baseline", (rep + 1) / cfg.repeats)
+        probes.references(all_prompts[1:])
+        alone = probes.tally(ctx, "noninterference: baseline")
         load = _Load(client_a, cfg, rng)
-        loaded = Tally()
-        ctx.progress("noninterference: under load", 0.0)
-        with ThreadPoolExecutor(max_workers=cfg.load_concurrency) as pool:
-            futures = [pool.submit(load.worker, s) for s in load.seeds]
-            try:
-                for rep in range(cfg.repeats):
-                    for i in range(probes):
-                        loaded.record(i, refs[i], ask(i))
-                    ctx.progress("noninterference: under load", (rep + 1) / cfg.repeats)
-            finally:
-                load.stop.set()
-            for f in futures:
-                f.result()  # a crashed load worker is a crashed check (fail closed)
-        result = self._verdict(target, cfg, alone, loaded, load, logprobs is not None)
-        result.evidence["probe_tokens"] = [len(p) for p in prompts]
+        loaded = probes.under_load(ctx, load)
+        result = self._verdict(target, cfg, alone, loaded, load, probes.logprobs is not None)
+        result.evidence["probe_tokens"] = [len(p) for p in probes.prompts]
         result.evidence["probe_lengths_from"] = how
-        result.evidence["dropped_probes"] = dropped
+        result.evidence["dropped_probes"] = probes.dropped
         return result
 
     def _verdict(
@@ -316,30 +275,11 @@ class NoninterferenceCheck(Check):
                 f"tenant A's load never succeeded ({load.sent} requests): no interference tested",
                 evidence,
             )
-        # One pooled test plus one per probe (interference may hit only the long
-        # probe); Bonferroni keeps the family's false-alarm rate at alpha.
-        probes = sorted(alone.per_probe.keys() & loaded.per_probe.keys())
-        per_test_alpha = cfg.alpha / (len(probes) + 1)
-        pooled = divergence_excess(alone.diverged, alone.total, loaded.diverged, loaded.total)
-        per_probe = {
-            i: divergence_excess(
-                alone.per_probe[i][1],
-                alone.per_probe[i][0],
-                loaded.per_probe[i][1],
-                loaded.per_probe[i][0],
-            )
-            for i in probes
-        }
-        evidence["fisher_p_value"] = pooled.p_value
-        evidence["fisher_p_value_per_probe"] = {str(i): t.p_value for i, t in per_probe.items()}
-        evidence["alpha"] = cfg.alpha
-        evidence["alpha_per_test"] = per_test_alpha
+        worst_i, worst_t, per_test_alpha = _fisher(cfg, alone, loaded, evidence)
         rates = (
             f"divergence alone {alone.diverged}/{alone.total}, under A's load "
             f"{loaded.diverged}/{loaded.total} ({load.ok} A requests)"
         )
-        hits = [(-1, pooled), *per_probe.items()]
-        worst_i, worst_t = min(hits, key=lambda it: it[1].p_value)
         if worst_t.p_value < per_test_alpha:
             where = "all probes" if worst_i < 0 else f"probe {worst_i}"
             return self.result(
@@ -371,3 +311,90 @@ class NoninterferenceCheck(Check):
             f"{worst_t.p_value:.2g}{note}",
             evidence,
         )
+
+
+def _fisher(
+    cfg: NoninterferenceConfig, alone: Tally, loaded: Tally, evidence: dict[str, JSONValue]
+) -> tuple[int, DivergenceTest, float]:
+    """(the probe with the smallest p (-1: pooled), its test, the per-test alpha), on record."""
+    # One pooled test plus one per probe (interference may hit only the long
+    # probe); Bonferroni keeps the family's false-alarm rate at alpha.
+    probes = sorted(alone.per_probe.keys() & loaded.per_probe.keys())
+    per_test_alpha = cfg.alpha / (len(probes) + 1)
+    pooled = divergence_excess(alone.diverged, alone.total, loaded.diverged, loaded.total)
+    per_probe = {
+        i: divergence_excess(
+            alone.per_probe[i][1],
+            alone.per_probe[i][0],
+            loaded.per_probe[i][1],
+            loaded.per_probe[i][0],
+        )
+        for i in probes
+    }
+    evidence["fisher_p_value"] = pooled.p_value
+    evidence["fisher_p_value_per_probe"] = {str(i): t.p_value for i, t in per_probe.items()}
+    evidence["alpha"] = cfg.alpha
+    evidence["alpha_per_test"] = per_test_alpha
+    hits = [(-1, pooled), *per_probe.items()]
+    worst_i, worst_t = min(hits, key=lambda it: it[1].p_value)
+    return worst_i, worst_t, per_test_alpha
+
+
+@dataclass(slots=True)
+class _Probes:
+    """Tenant B's probes: their reference answers, and the phases that repeat them."""
+
+    client: ProbeClient
+    cfg: NoninterferenceConfig
+    logprobs: int | None
+    prompts: list[list[int]] = field(default_factory=list)
+    refs: list[Answer] = field(default_factory=list)
+    dropped: list[dict[str, JSONValue]] = field(default_factory=list)
+
+    def send(self, prompt: list[int]) -> ProbeResponse:
+        return self.client.completion(
+            prompt, max_tokens=self.cfg.max_tokens, temperature=0.0, logprobs=self.logprobs
+        )
+
+    def first(self, prompt: list[int]) -> ProbeResponse:
+        """The first probe alone; it is the first reference when it succeeds."""
+        first = self.send(prompt)
+        if first.status == 400 and self.logprobs is not None:
+            self.logprobs = None  # the target refuses logprobs: compare text and tokens only
+            first = self.send(prompt)
+        if first.ok:
+            self.prompts.append(prompt)
+            self.refs.append(answer_of(first))
+        return first
+
+    def references(self, prompts: list[list[int]]) -> None:
+        # A probe the target refuses (e.g. the long one on an undersized pool that
+        # rejects at the edge, I4) has no reference answer: it is dropped, on record.
+        for prompt in prompts:
+            ref = self.send(prompt)
+            if ref.ok:
+                self.prompts.append(prompt)
+                self.refs.append(answer_of(ref))
+            else:
+                self.dropped.append({"prompt_tokens": len(prompt), **ref.brief()})
+
+    def tally(self, ctx: AuditContext, phase: str) -> Tally:
+        """Every probe, `repeats` times, against its reference."""
+        tally = Tally()
+        ctx.progress(phase, 0.0)
+        for rep in range(self.cfg.repeats):
+            for i, prompt in enumerate(self.prompts):
+                tally.record(i, self.refs[i], self.send(prompt))
+            ctx.progress(phase, (rep + 1) / self.cfg.repeats)
+        return tally
+
+    def under_load(self, ctx: AuditContext, load: _Load) -> Tally:
+        with ThreadPoolExecutor(max_workers=self.cfg.load_concurrency) as pool:
+            futures = [pool.submit(load.worker, s) for s in load.seeds]
+            try:
+                loaded = self.tally(ctx, "noninterference: under load")
+            finally:
+                load.stop.set()
+            for f in futures:
+                f.result()  # a crashed load worker is a crashed check (fail closed)
+        return loaded

@@ -239,7 +239,7 @@ def serve(
     if model_dir is None:
         click.echo(f"using the embedded {preset} checkpoint (made on first use)...", err=True)
         model_dir = default_checkpoint_dir(preset=preset)
-    if torch_threads and role in (None, "prefill", "decode") and not disaggregated:
+    if torch_threads and role is None and not disaggregated:
         import torch
 
         torch.set_num_threads(torch_threads)

@@ -10,7 +10,7 @@ be shorter than the slot's `n_ctx`; a too-large max_tokens is cut silently.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kvfence.audit.base import Fact
 from kvfence.audit.client import ProbeClient
@@ -39,38 +39,7 @@ class LlamacppTarget(Target):
         ep = Endpoints(client)
         model, entry = models_fact(ep)
         facts = TargetFacts(engine=Fact("llamacpp", "GET /props"), model=model)
-        props = ep.json("/props") or {}
-        dgs = props.get("default_generation_settings")
-        n_ctx, _ = json_int(dgs if isinstance(dgs, dict) else None, "n_ctx")
-        src = "GET /props default_generation_settings.n_ctx"
-        if n_ctx is None:
-            meta = (entry or {}).get("meta")
-            n_ctx, _ = json_int(meta if isinstance(meta, dict) else None, "n_ctx")
-            src = "GET /v1/models data[0].meta.n_ctx"
-        slots, _ = json_int(props, "total_slots")
-        if slots is not None:
-            facts.extra["total_slots"] = Fact(slots, "GET /props total_slots")
-        slot_list = ep.get("/slots")
-        if slot_list.ok and isinstance(slot_list.json, list):
-            ctxs = [s.get("n_ctx") for s in slot_list.json if isinstance(s, dict)]
-            ints = [c for c in ctxs if isinstance(c, int)]
-            if ints:
-                facts.extra["slot_n_ctx_min"] = Fact(min(ints), "GET /slots [*].n_ctx (min)")
-                n_ctx = min(n_ctx, *ints) if n_ctx is not None else min(ints)
-        if n_ctx is None:
-            facts.context_length = Fact.unknown(src, "n_ctx not readable")
-            facts.pool_tokens = Fact.unknown(src, "n_ctx not readable")
-        else:
-            facts.context_length = Fact(n_ctx, src, "per slot")
-            facts.max_input = Fact(n_ctx - 1, f"{src} - 1", "llama-server needs prompt < n_ctx")
-            facts.pool_tokens = Fact(
-                n_ctx,
-                f"{src} (lower bound)",
-                "llama.cpp reports n_ctx per slot; with automatic slots all "
-                f"{slots if slots is not None else 'N'} slots share one pool of this size, "
-                "with -np N each owns n_ctx/N of it — HTTP does not say which, so only n_ctx "
-                "per slot is claimed: concurrent long prompts can still exhaust the shared pool",
-            )
+        _read_context(facts, ep, entry)
         facts.page_size = Fact.unknown(
             "llama-server", "no paged KV over HTTP (contiguous per slot)"
         )
@@ -87,3 +56,39 @@ class LlamacppTarget(Target):
             if found:
                 facts.counters[name] = Fact(sum(s.value for s in found), f"GET /metrics {name}")
         return facts
+
+
+def _read_context(facts: TargetFacts, ep: Endpoints, entry: dict[str, Any] | None) -> None:
+    """n_ctx per slot (the smallest of /props, /v1/models and /slots), and what it bounds."""
+    props = ep.json("/props") or {}
+    dgs = props.get("default_generation_settings")
+    n_ctx, _ = json_int(dgs if isinstance(dgs, dict) else None, "n_ctx")
+    src = "GET /props default_generation_settings.n_ctx"
+    if n_ctx is None:
+        meta = (entry or {}).get("meta")
+        n_ctx, _ = json_int(meta if isinstance(meta, dict) else None, "n_ctx")
+        src = "GET /v1/models data[0].meta.n_ctx"
+    slots, _ = json_int(props, "total_slots")
+    if slots is not None:
+        facts.extra["total_slots"] = Fact(slots, "GET /props total_slots")
+    slot_list = ep.get("/slots")
+    if slot_list.ok and isinstance(slot_list.json, list):
+        ctxs = [s.get("n_ctx") for s in slot_list.json if isinstance(s, dict)]
+        ints = [c for c in ctxs if isinstance(c, int)]
+        if ints:
+            facts.extra["slot_n_ctx_min"] = Fact(min(ints), "GET /slots [*].n_ctx (min)")
+            n_ctx = min(n_ctx, *ints) if n_ctx is not None else min(ints)
+    if n_ctx is None:
+        facts.context_length = Fact.unknown(src, "n_ctx not readable")
+        facts.pool_tokens = Fact.unknown(src, "n_ctx not readable")
+        return
+    facts.context_length = Fact(n_ctx, src, "per slot")
+    facts.max_input = Fact(n_ctx - 1, f"{src} - 1", "llama-server needs prompt < n_ctx")
+    facts.pool_tokens = Fact(
+        n_ctx,
+        f"{src} (lower bound)",
+        "llama.cpp reports n_ctx per slot; with automatic slots all "
+        f"{slots if slots is not None else 'N'} slots share one pool of this size, "
+        "with -np N each owns n_ctx/N of it — HTTP does not say which, so only n_ctx "
+        "per slot is claimed: concurrent long prompts can still exhaust the shared pool",
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +22,7 @@ from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve.app import create_app
 from kvfence.serve.config import ServeConfig, decide_capacity
 from kvfence.serve.pd.backend import PDBackend, Timeouts
+from kvfence.serve.pd.spec import WorkerSpec, write_worker_spec
 from kvfence.serve.supervisor import ChildSpec, Supervisor, free_port
 from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.thread import bind, serve_forever, url_of
@@ -100,65 +101,57 @@ def run_router(spec: RouterSpec, tenants: TenantRegistry, announce: object) -> i
         backend.stop()
 
 
-def disaggregated_children(
-    role_args: Sequence[str],
-    *,
-    n_prefill: int,
-    n_decode: int,
-    host: str,
-    port: int,
-    tenants_file: Path,
-    router_args: Sequence[str] = (),
-) -> list[ChildSpec]:
-    """The argv of every role on loopback: workers first, the router last."""
-    if n_prefill < 1 or n_decode < 1:
-        raise ValueError("--prefill and --decode need at least one worker each")
-    loop = "tcp://127.0.0.1"
-    router_inbox = f"{loop}:{free_port()}"
-    prefill = [f"{loop}:{free_port()}" for _ in range(n_prefill)]
-    decode = [f"{loop}:{free_port()}" for _ in range(n_decode)]
-    base = (sys.executable, "-m", "kvfence", "serve", *role_args)
-    children = [
-        ChildSpec(
-            f"prefill-{i}",
-            (*base, "--role", "prefill", "--inbox", a, "--router-addr", router_inbox),
+@dataclass(frozen=True, slots=True)
+class Loopback:
+    """The control addresses of every role on one host."""
+
+    router: str
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+
+    @classmethod
+    def pick(cls, n_prefill: int, n_decode: int) -> Loopback:
+        if n_prefill < 1 or n_decode < 1:
+            raise ValueError("--prefill and --decode need at least one worker each")
+        loop = "tcp://127.0.0.1"
+        return cls(
+            f"{loop}:{free_port()}",
+            tuple(f"{loop}:{free_port()}" for _ in range(n_prefill)),
+            tuple(f"{loop}:{free_port()}" for _ in range(n_decode)),
         )
-        for i, a in enumerate(prefill)
-    ]
-    children += [
-        ChildSpec(
-            f"decode-{i}", (*base, "--role", "decode", "--inbox", a, "--router-addr", router_inbox)
-        )
-        for i, a in enumerate(decode)
-    ]
-    peers = [x for a in prefill for x in ("--prefill-addr", a)] + [
-        x for a in decode for x in ("--decode-addr", a)
-    ]
-    children.append(
-        ChildSpec(
-            "router",
-            (
-                *base,
-                "--role",
-                "router",
-                "--inbox",
-                router_inbox,
-                *peers,
-                "--host",
-                host,
-                "--port",
-                str(port),
-                "--tenants",
-                str(tenants_file),
-                *router_args,
-            ),
-        )
-    )
+
+    def peer_args(self) -> list[str]:
+        return [x for a in self.prefill for x in ("--prefill-addr", a)] + [
+            x for a in self.decode for x in ("--decode-addr", a)
+        ]
+
+
+# Builds a worker's spec from its role, its inbox and the router's inbox.
+WorkerSpecFor = Callable[[str, str, str], WorkerSpec]
+
+
+def worker_children(spec_for: WorkerSpecFor, addrs: Loopback, spec_dir: Path) -> list[ChildSpec]:
+    """One child per worker, each handed the spec built here, as a file (serve/pd/spec.py)."""
+    children = []
+    for role, inboxes in (("prefill", addrs.prefill), ("decode", addrs.decode)):
+        for i, inbox in enumerate(inboxes):
+            path = spec_dir / f"{role}-{i}.json"
+            write_worker_spec(spec_for(role, inbox, addrs.router), path)
+            argv = (sys.executable, "-m", "kvfence.serve.pd.worker_entry", str(path))
+            children.append(ChildSpec(f"{role}-{i}", argv))
     return children
 
 
+def router_child(
+    router_args: Sequence[str], addrs: Loopback, host: str, port: int, tenants_file: Path
+) -> ChildSpec:
+    where = ["--inbox", addrs.router, *addrs.peer_args(), "--host", host, "--port", str(port)]
+    argv = (sys.executable, "-m", "kvfence", "serve", "--role", "router", *where)
+    return ChildSpec("router", (*argv, "--tenants", str(tenants_file), *router_args))
+
+
 def run_disaggregated(
-    role_args: Sequence[str],
+    spec_for: WorkerSpecFor,
     *,
     n_prefill: int,
     n_decode: int,
@@ -167,18 +160,13 @@ def run_disaggregated(
     tenants: TenantRegistry,
     router_args: Sequence[str] = (),
 ) -> int:
-    """Supervise every role; Ctrl-C or any role's exit stops them all."""
+    """Supervise every role (workers first, the router last); Ctrl-C or any role's exit stops
+    them all."""
+    addrs = Loopback.pick(n_prefill, n_decode)
     with tempfile.TemporaryDirectory(prefix="kvfence-pd-") as tmp:
         tenants_file = Path(tmp) / "tenants.json"
         tenants_file.touch(mode=0o600)
         tenants_file.write_text(tenants.to_json())
-        children = disaggregated_children(
-            role_args,
-            n_prefill=n_prefill,
-            n_decode=n_decode,
-            host=host,
-            port=port,
-            tenants_file=tenants_file,
-            router_args=router_args,
-        )
+        children = worker_children(spec_for, addrs, Path(tmp))
+        children.append(router_child(router_args, addrs, host, port, tenants_file))
         return Supervisor(children).run_until_done()
