@@ -25,31 +25,11 @@ LONG_MODULES_ALLOWED = {
     "audit/latency.py",
 }
 
-# "module:function" still over 40 body lines, each with why it stays (for now).
+# "module:function" still over 40 body lines. Owned by other engineers this session (the
+# latency statistics and the guard's metric declarations); shrink them, then drop them here.
 LONG_FUNCTIONS_ALLOWED = {
-    "audit/boundary.py:run",
-    "audit/canary.py:run",
-    "audit/canary.py:_verdict",
-    "audit/cli.py:audit",
-    "audit/counters.py:run",
     "audit/latency.py:analyse",
     "audit/latency.py:run",
-    "audit/noninterference.py:run",
-    "audit/noninterference.py:_verdict",
-    "audit/prefix_sharing.py:judge",
-    "audit/prefix_sharing.py:run",
-    "audit/runbook.py:run_audit",
-    "audit/targets/kvfence.py:read_facts",
-    "audit/targets/llamacpp.py:read_facts",
-    "model/llama.py:load_hf_weights",
-    "serve/app.py:create_app",
-    "serve/cli.py:serve",
-    "serve/metrics.py:collect",
-    "serve/openapi.py:build_openapi",
-    "serve/pd/cli.py:pd_main",
-    "serve/pd/launch.py:run_router",
-    "serve/pd/launch.py:disaggregated_children",
-    "serve/router.py:generate",
     "watch/metrics.py:__init__",
 }
 
