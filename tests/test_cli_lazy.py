@@ -46,8 +46,12 @@ def test_the_supervisor_and_router_roles_do_not_import_torch() -> None:
         "import sys\n"
         "import kvfence.serve.cli, kvfence.serve.pd.launch\n"
         "print('TORCH', 'torch' in sys.modules)\n"
+        "print('WEB', sorted(m for m in ('fastapi', 'uvicorn', 'kvfence.serve.app')"
+        " if m in sys.modules))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     ).stdout
     assert "TORCH False" in out, out
+    # The supervisor and the workers do not serve HTTP: the web stack is the router's alone.
+    assert "WEB []" in out, out

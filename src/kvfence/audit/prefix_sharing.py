@@ -35,6 +35,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+from kvfence.audit import premises
 from kvfence.audit.base import (
     AuditContext,
     Check,
@@ -72,12 +73,15 @@ class PrefixSharingCheck(Check):
             return self.result(target, Verdict.INCONCLUSIVE, how, {"facts": facts.to_json()})
         rng = random.Random(ctx.rng.random())
         probe = TrialProbe(cfg, rng, client_a, client_b, prefix_len)
-        runs = _runs(cfg, facts.cache_salt_supported.value is True, rng)
+        cache, salt = premises.prefix_cache(facts), premises.salt_support(facts)
+        runs, not_run = premises.prefix_runs(cfg.salt, cache, salt, rng)
         evidence: dict[str, JSONValue] = {
             "prefix_tokens": prefix_len,
             "prefix_length_from": how,
             "design": _design(cfg),
             "cache_salt_supported": facts.cache_salt_supported.to_json(),
+            "premises": [cache.to_json(), salt.to_json()],
+            "not_run": dict(not_run),
         }
         verdicts: list[Verdict] = []
         summaries: list[str] = []
@@ -87,13 +91,17 @@ class PrefixSharingCheck(Check):
             arms, seq = run_arms(probe, cfg, salt_a, salt_b, _progress(ctx, label))
             v, s, ev = judge(arms, seq, cfg)
             if label == "salted" and v is Verdict.PASS:
-                v, s, control = self._salt_control(probe, arms, salt_a, cfg)
+                v, s, control = self._salt_control(probe, arms, salt_a, cfg, cache)
                 ev["same_salt_control"] = control
+            if v is Verdict.FAIL and cache.absent:
+                s = f"the engine states it has no prefix cache ({cache.stated()}), yet {s}"
+                evidence["premise_contradicted"] = cache.to_json()
             ev["verdict"] = v.value
             evidence[label] = ev
             verdicts.append(v)
             summaries.append(f"{label}: {s}")
             plots.append(_hist(label, arms))
+        summaries += [f"{label}: not run — {why}" for label, why in not_run.items()]
         verdict = worst(verdicts)
         evidence["requests"] = sum(
             int(e["requests"]) for k, e in evidence.items() if k in ("unsalted", "salted")
@@ -101,7 +109,12 @@ class PrefixSharingCheck(Check):
         return self.result(target, verdict, "; ".join(summaries), evidence, plots)
 
     def _salt_control(
-        self, probe: TrialProbe, arms: Arms, salt_a: str | None, cfg: PrefixSharingConfig
+        self,
+        probe: TrialProbe,
+        arms: Arms,
+        salt_a: str | None,
+        cfg: PrefixSharingConfig,
+        cache: premises.Premise,
     ) -> tuple[Verdict, str, dict[str, JSONValue]]:
         """Same tenant, same salt must hit, else the salted pass proves nothing."""
         own = Arms()
@@ -132,25 +145,21 @@ class PrefixSharingCheck(Check):
                 f"salt hits ({own.requests} control requests)",
                 info,
             )
+        if cache.absent:
+            # The control cannot hit without a cache: its miss is the stated fact, confirmed.
+            return (
+                Verdict.PASS,
+                f"no leak across salts in {arms.requests} requests; the same salt never hit "
+                f"either, as stated: "
+                + cache.decided("there is no cached prefix for a salt to isolate"),
+                info,
+            )
         return (
             Verdict.INCONCLUSIVE,
             "no leak across salts, but the same salt never hit either: caching may be off, "
             "so salt isolation is not shown",
             info,
         )
-
-
-def _runs(
-    cfg: PrefixSharingConfig, salt_ok: bool, rng: random.Random
-) -> list[tuple[str, str | None, str | None]]:
-    """(label, A's salt, B's salt) of each run: unsalted, and salted where the target takes it."""
-    runs: list[tuple[str, str | None, str | None]] = []
-    if cfg.salt != "only":
-        runs.append(("unsalted", None, None))
-    if cfg.salt == "only" or (cfg.salt == "auto" and salt_ok):
-        tag = f"{rng.getrandbits(48):012x}"
-        runs.append(("salted", f"kvfence-audit-a-{tag}", f"kvfence-audit-b-{tag}"))
-    return runs
 
 
 def _design(cfg: PrefixSharingConfig) -> dict[str, JSONValue]:

@@ -3,7 +3,7 @@
 JSON schema "kvfence.audit/1" (additive changes only; a breaking change
 bumps the number):
   schema, tool{name, version}, started_at, duration_s, verdict, exit_code,
-  counts{pass, fail, inconclusive, skipped}, requests_sent, settings{...},
+  counts{pass, fail, inconclusive, skipped, not_applicable}, requests_sent, settings{...},
   checks[...], targets[{url, engine, detected_by, facts, error, requests_sent}],
   results[{check, target, verdict, summary, evidence, requests_sent,
            duration_s, plots[{kind, title, x_label, y_label, series, note}]}]
@@ -44,6 +44,7 @@ RICH_STYLES = {
     "fail": "bold red",
     "inconclusive": "bold yellow",
     "skipped": "dim",
+    "not_applicable": "bold blue",
 }
 
 
@@ -77,7 +78,10 @@ def write_json(run: AuditRun, path: str, fail_on_inconclusive: bool = True) -> N
 
 
 def to_junit(run: AuditRun) -> ET.Element:
-    """One <testsuite> per target, one <testcase> per check; fail → <failure>, inconclusive → <error>."""
+    """One <testsuite> per target, one <testcase> per check; fail → <failure>, inconclusive → <error>.
+
+    not_applicable is a passing case (a deploy gate passes on it); its system-out names it.
+    """
     suites = ET.Element("testsuites", name="kvfence audit")
     totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     for t in run.targets:

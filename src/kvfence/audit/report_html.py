@@ -17,7 +17,7 @@ body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;margin:24px;colo
 h1{font-size:22px;margin:0 0 4px} h2{font-size:18px;margin:28px 0 8px} h3{font-size:15px;margin:16px 0 6px}
 table{border-collapse:collapse;width:100%;margin:8px 0} td,th{border:1px solid #d0d7de;padding:4px 8px;text-align:left;vertical-align:top}
 th{background:#f6f8fa} .v{font-weight:700;text-transform:uppercase;color:#fff;padding:2px 8px;border-radius:10px;font-size:12px}
-.v-pass{background:#1a7f37}.v-fail{background:#cf222e}.v-inconclusive{background:#bf8700}.v-skipped{background:#6e7781}
+.v-pass{background:#1a7f37}.v-fail{background:#cf222e}.v-inconclusive{background:#bf8700}.v-skipped{background:#6e7781}.v-not_applicable{background:#0969da}
 details{margin:4px 0} pre{background:#f6f8fa;padding:8px;overflow:auto;max-height:360px;font-size:12px}
 figure{display:inline-block;margin:8px 16px 8px 0;border:1px solid #d0d7de;padding:6px;border-radius:6px}
 figcaption{font-weight:600;margin-bottom:4px} .note{color:#57606a;font-size:12px;margin:4px 0 0}

@@ -16,6 +16,7 @@ COLOURS = {
     "fail": "#cf222e",
     "inconclusive": "#bf8700",
     "skipped": "#6e7781",
+    "not_applicable": "#0969da",
 }
 W, H, PAD_L, PAD_R, PAD_T, PAD_B = 560, 300, 64, 16, 28, 44
 

@@ -39,12 +39,15 @@ class LlamacppTarget(Target):
         ep = Endpoints(client)
         model, entry = models_fact(ep)
         facts = TargetFacts(engine=Fact("llamacpp", "GET /props"), model=model)
-        _read_context(facts, ep, entry)
+        props = ep.json("/props") or {}
+        dgs = props.get("default_generation_settings")
+        _read_context(facts, ep, props, entry)
         facts.page_size = Fact.unknown(
             "llama-server", "no paged KV over HTTP (contiguous per slot)"
         )
-        facts.prefix_caching = Fact(
-            True, "llama-server default (cache_prompt)", "slot prompt reuse is on by default"
+        facts.prefix_caching = prompt_cache_fact(dgs if isinstance(dgs, dict) else None)
+        facts.extra["disaggregated"] = Fact(
+            False, "llama-server", "one process holds every slot's KV: no prefill/decode split"
         )
         facts.cache_salt_supported = Fact(
             False, "llama-server", "cache_salt is accepted and silently ignored (PEERS.md)"
@@ -58,9 +61,10 @@ class LlamacppTarget(Target):
         return facts
 
 
-def _read_context(facts: TargetFacts, ep: Endpoints, entry: dict[str, Any] | None) -> None:
+def _read_context(
+    facts: TargetFacts, ep: Endpoints, props: dict[str, Any], entry: dict[str, Any] | None
+) -> None:
     """n_ctx per slot (the smallest of /props, /v1/models and /slots), and what it bounds."""
-    props = ep.json("/props") or {}
     dgs = props.get("default_generation_settings")
     n_ctx, _ = json_int(dgs if isinstance(dgs, dict) else None, "n_ctx")
     src = "GET /props default_generation_settings.n_ctx"
@@ -92,3 +96,27 @@ def _read_context(facts: TargetFacts, ep: Endpoints, entry: dict[str, Any] | Non
         "with -np N each owns n_ctx/N of it — HTTP does not say which, so only n_ctx "
         "per slot is claimed: concurrent long prompts can still exhaust the shared pool",
     )
+
+
+def prompt_cache_fact(dgs: dict[str, Any] | None) -> Fact:
+    """Whether one request can reuse another's KV: always yes on llama-server.
+
+    `cache_prompt` in /props is only the server's *default* (`--no-cache-prompt`
+    turns it off): each request's own `cache_prompt` field overrides it, and the
+    requester decides whether its prompt reuses the slot's KV left by the last
+    request. Any tenant can turn reuse back on, so a false default is never a
+    "no prefix cache" premise.
+    """
+    params = (dgs or {}).get("params")
+    default = params.get("cache_prompt") if isinstance(params, dict) else None
+    src = "GET /props default_generation_settings.params.cache_prompt"
+    if default is False:
+        return Fact(
+            True,
+            src,
+            "server default off (--no-cache-prompt), but every request may set cache_prompt: "
+            "true and reuse the slot's KV: not a premise",
+        )
+    if default is True:
+        return Fact(True, src, "slot prompt reuse on by default; a request can also ask for it")
+    return Fact(True, "llama-server (cache_prompt)", "a request may ask for slot prompt reuse")

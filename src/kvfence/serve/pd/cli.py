@@ -9,14 +9,17 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from kvfence.faults import FaultSet
-from kvfence.serve.pd.launch import RouterSpec, run_disaggregated, run_router
+from kvfence.serve.pd.launch import run_disaggregated
 from kvfence.serve.pd.spec import WorkerSpec
 from kvfence.serve.tenants import TenantRegistry
+
+if TYPE_CHECKING:
+    from kvfence.serve.pd.router_role import RouterSpec
 
 # The router's options, passed through to the router child of --disaggregated.
 _ROUTER_SHARED = ("context_length", "scrub", "transport", "log_level")
@@ -43,6 +46,10 @@ def pd_main(
     announce: Callable[..., None],
 ) -> int:
     role = params["role"]
+    if params["pd_router"] == "sglang":
+        from kvfence.serve.sglang.cli import sglang_main
+
+        return sglang_main(params, faults, tenants, model_dir)
     if params["disaggregated"]:
         if role is not None:
             raise click.UsageError("--disaggregated starts every role; --role runs one of them")
@@ -50,6 +57,8 @@ def pd_main(
     if params["inbox"] is None:
         raise click.UsageError(f"--role {role} needs --inbox (this role's control address)")
     if role == "router":
+        from kvfence.serve.pd.router_role import run_router  # the web stack: here only
+
         return run_router(router_spec(params, faults, model_dir), tenants, announce)
     if params["router_addr"] is None:
         raise click.UsageError(f"--role {role} needs --router-addr (the router's control address)")
@@ -97,6 +106,8 @@ def router_spec(params: dict[str, Any], faults: FaultSet, model_dir: Path) -> Ro
         raise click.UsageError(
             "--role router needs --prefill-addr and --decode-addr (at least one each)"
         )
+    from kvfence.serve.pd.router_role import RouterSpec  # the web stack: the router only
+
     return RouterSpec(
         model_dir=str(model_dir),
         inbox=params["inbox"],

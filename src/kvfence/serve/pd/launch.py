@@ -3,7 +3,9 @@
 `kvfence serve --disaggregated` = router + N prefill + M decode workers as
 child processes on loopback, supervised together (one dies -> all stop, with
 a message naming it). `kvfence serve --role router|prefill|decode` runs one
-role for a multi-host deployment; the addresses say where the others are.
+role for a multi-host deployment; the addresses say where the others are
+(the router role is `router_role.py`, the workers `workers.py`, started from the
+`WorkerSpec` built here by `worker_entry.py`).
 """
 
 from __future__ import annotations
@@ -11,97 +13,12 @@ from __future__ import annotations
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from kvfence.engine.config import default_of
-from kvfence.engine.sizing import CapacityGateError
-from kvfence.faults import FaultSet
-from kvfence.model.config import ModelConfig
-from kvfence.model.tokenizer import Tokenizer
-from kvfence.serve.app import create_app
-from kvfence.serve.config import ServeConfig, decide_capacity
-from kvfence.serve.pd.backend import PDBackend, Timeouts
 from kvfence.serve.pd.spec import WorkerSpec, write_worker_spec
 from kvfence.serve.supervisor import ChildSpec, Supervisor, free_port
 from kvfence.serve.tenants import TenantRegistry
-from kvfence.serve.thread import bind, serve_forever, url_of
-
-EXIT_GATE = 1
-
-
-@dataclass(frozen=True, slots=True)
-class RouterSpec:
-    model_dir: str
-    inbox: str
-    prefill: tuple[str, ...]
-    decode: tuple[str, ...]
-    host: str
-    port: int
-    transport: str
-    context_length: int | None = None
-    headroom: float = default_of(ServeConfig, "headroom")
-    allow_undersized_pool: bool = False
-    faults: tuple[str, ...] = ()
-    default_max_tokens: int = default_of(ServeConfig, "default_max_tokens")
-    scrub_policy: str = default_of(ServeConfig, "scrub_policy")
-    prefix_cache: bool = True
-    shared_prefix_cache: bool = False
-    timeouts: Timeouts = field(default_factory=Timeouts)
-    log_level: str = "warning"
-    request_log: Path | None = None
-
-    def serve_config(self) -> ServeConfig:
-        """The router's config, with the model's facts read from its config.json."""
-        config = ModelConfig.from_file(Path(self.model_dir) / "config.json")
-        return ServeConfig(
-            model_name=Path(self.model_dir).name,
-            context_length=self.context_length or config.max_position_embeddings,
-            vocab_size=config.vocab_size,
-            headroom=self.headroom,
-            allow_undersized_pool=self.allow_undersized_pool,
-            faults=FaultSet.parse(self.faults),
-            default_max_tokens=self.default_max_tokens,
-            scrub_policy=self.scrub_policy,
-            transport=self.transport,
-            disaggregated=True,
-            prefix_cache=self.prefix_cache,
-            shared_prefix_cache=self.shared_prefix_cache,
-        )
-
-
-def run_router(spec: RouterSpec, tenants: TenantRegistry, announce: object) -> int:
-    """Serve the public API over worker processes. Exit 1 if the live pools fail the gate (I4)."""
-    serve_config = spec.serve_config()
-    tokenizer = Tokenizer.from_dir(Path(spec.model_dir))
-    faults = serve_config.faults
-    backend = PDBackend(
-        spec.inbox, list(spec.prefill), list(spec.decode), faults=faults, timeouts=spec.timeouts
-    )
-    backend.start()
-    try:
-        backend.wait_for_workers()
-        try:
-            capacity = decide_capacity(serve_config, backend.stats().pools)
-        except CapacityGateError as e:
-            print(str(e), file=sys.stderr)  # I4: the router does not take traffic
-            return EXIT_GATE
-        app = create_app(
-            backend,
-            tokenizer,
-            serve_config,
-            tenants,
-            capacity=capacity,
-            request_log=spec.request_log,
-        )
-        sock = bind(spec.host, spec.port)
-        if callable(announce):
-            announce(url_of(sock), tenants, serve_config.model_name, capacity.report.message())
-        serve_forever(app, sock, log_level=spec.log_level)
-        sock.close()
-        return 0
-    finally:
-        backend.stop()
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,11 +63,14 @@ def worker_children(spec_for: WorkerSpecFor, addrs: Loopback, spec_dir: Path) ->
 
 
 def router_child(
-    router_args: Sequence[str], addrs: Loopback, host: str, port: int, tenants_file: Path
+    router_args: Sequence[str], addrs: Loopback, host: str, port: int, tenants_file: Path | None
 ) -> ChildSpec:
+    """The router's argv. `tenants_file` None is the dev mode: the router gets `--no-auth` and
+    checks the loopback rule itself (a keyless registry has no file form, so none is written)."""
     where = ["--inbox", addrs.router, *addrs.peer_args(), "--host", host, "--port", str(port)]
     argv = (sys.executable, "-m", "kvfence", "serve", "--role", "router", *where)
-    return ChildSpec("router", (*argv, "--tenants", str(tenants_file), *router_args))
+    auth = ("--no-auth",) if tenants_file is None else ("--tenants", str(tenants_file))
+    return ChildSpec("router", (*argv, *auth, *router_args))
 
 
 def run_disaggregated(
@@ -167,9 +87,11 @@ def run_disaggregated(
     them all."""
     addrs = Loopback.pick(n_prefill, n_decode)
     with tempfile.TemporaryDirectory(prefix="kvfence-pd-") as tmp:
-        tenants_file = Path(tmp) / "tenants.json"
-        tenants_file.touch(mode=0o600)
-        tenants_file.write_text(tenants.to_json())
+        tenants_file: Path | None = None
+        if tenants.auth != "none":
+            tenants_file = Path(tmp) / "tenants.json"
+            tenants_file.touch(mode=0o600)
+            tenants_file.write_text(tenants.to_json())
         children = worker_children(spec_for, addrs, Path(tmp))
         children.append(router_child(router_args, addrs, host, port, tenants_file))
         return Supervisor(children).run_until_done()

@@ -19,12 +19,17 @@ from kvfence.serve.pd.spec import SpecError, WorkerSpec, read_worker_spec
 EXIT_BAD_SPEC = 2
 
 
-def run_worker_process(spec: WorkerSpec) -> int:
-    """Run one worker role to its end; this process then exits without finalisation."""
-    if spec.torch_threads:
+def set_torch_threads(n: int) -> None:
+    """Intra-op threads for this worker's model; 0 keeps torch's default."""
+    if n:
         import torch  # torch: workers only
 
-        torch.set_num_threads(spec.torch_threads)
+        torch.set_num_threads(n)
+
+
+def run_worker_process(spec: WorkerSpec) -> int:
+    """Run one worker role to its end; this process then exits without finalisation."""
+    set_torch_threads(spec.torch_threads)
     from kvfence.serve.pd.workers import run_worker
 
     rc = run_worker(spec)  # sockets closed, shared memory unlinked, engines stopped
