@@ -87,26 +87,40 @@ class PrefixSharingCheck(Check):
         summaries: list[str] = []
         plots: list[Plot] = []
         for label, salt_a, salt_b in runs:
-            ctx.progress(f"prefix sharing ({label})", 0.0)
-            arms, seq = run_arms(probe, cfg, salt_a, salt_b, _progress(ctx, label))
-            v, s, ev = judge(arms, seq, cfg)
-            if label == "salted" and v is Verdict.PASS:
-                v, s, control = self._salt_control(probe, arms, salt_a, cfg, cache)
-                ev["same_salt_control"] = control
-            if v is Verdict.FAIL and cache.absent:
-                s = f"the engine states it has no prefix cache ({cache.stated()}), yet {s}"
-                evidence["premise_contradicted"] = cache.to_json()
-            ev["verdict"] = v.value
-            evidence[label] = ev
+            v, s, plot = self._one_run(ctx, probe, cache, (label, salt_a, salt_b), evidence)
             verdicts.append(v)
             summaries.append(f"{label}: {s}")
-            plots.append(_hist(label, arms))
+            plots.append(plot)
         summaries += [f"{label}: not run — {why}" for label, why in not_run.items()]
         verdict = worst(verdicts)
         evidence["requests"] = sum(
             int(e["requests"]) for k, e in evidence.items() if k in ("unsalted", "salted")
         )
         return self.result(target, verdict, "; ".join(summaries), evidence, plots)
+
+    def _one_run(
+        self,
+        ctx: AuditContext,
+        probe: TrialProbe,
+        cache: premises.Premise,
+        run: tuple[str, str | None, str | None],
+        evidence: dict[str, JSONValue],
+    ) -> tuple[Verdict, str, Plot]:
+        """One run (unsalted or salted): trials -> verdict, its evidence under its label."""
+        cfg = self.config
+        label, salt_a, salt_b = run
+        ctx.progress(f"prefix sharing ({label})", 0.0)
+        arms, seq = run_arms(probe, cfg, salt_a, salt_b, _progress(ctx, label))
+        v, s, ev = judge(arms, seq, cfg)
+        if label == "salted" and v is Verdict.PASS:
+            v, s, control = self._salt_control(probe, arms, salt_a, cfg, cache)
+            ev["same_salt_control"] = control
+        if v is Verdict.FAIL and cache.absent:
+            s = f"the engine states it has no prefix cache ({cache.stated()}), yet {s}"
+            evidence["premise_contradicted"] = cache.to_json()
+        ev["verdict"] = v.value
+        evidence[label] = ev
+        return v, s, _hist(label, arms)
 
     def _salt_control(
         self,
@@ -117,21 +131,7 @@ class PrefixSharingCheck(Check):
         cache: premises.Premise,
     ) -> tuple[Verdict, str, dict[str, JSONValue]]:
         """Same tenant, same salt must hit, else the salted pass proves nothing."""
-        own = Arms()
-        test = SequentialKS(cfg.design)
-        result: SequentialResult | None = None
-        # A re-reads its own prefixes with its own salt: "B" is A here.
-        control = TrialProbe(cfg, probe.rng, probe.a, probe.a, probe.prefix_len)
-        while result is None and len(own.shared) < cfg.design.max_per_arm:
-            before = len(own.shared)
-            n = cfg.salt_control_trials if not own.shared else cfg.design.batch
-            for _ in range(n):
-                control.trial(own, salt_a, salt_a)
-            if own.cross_hits:
-                break  # cached_tokens shows the hit directly
-            if len(own.errors) > cfg.max_error_fraction * max(len(own.shared), 1) + 1:
-                break
-            result = test.add(own.shared[before:], own.fresh[before:])
+        own, result = _same_salt_trials(probe, salt_a, cfg)
         hit_seen = bool(own.cross_hits) or (result is not None and result.rejected)
         info: dict[str, JSONValue] = {
             "requests": own.requests,
@@ -160,6 +160,27 @@ class PrefixSharingCheck(Check):
             "so salt isolation is not shown",
             info,
         )
+
+
+def _same_salt_trials(
+    probe: TrialProbe, salt_a: str | None, cfg: PrefixSharingConfig
+) -> tuple[Arms, SequentialResult | None]:
+    """A re-reads its own prefixes with its own salt ("B" is A here) until a hit shows."""
+    own = Arms()
+    test = SequentialKS(cfg.design)
+    result: SequentialResult | None = None
+    control = TrialProbe(cfg, probe.rng, probe.a, probe.a, probe.prefix_len)
+    while result is None and len(own.shared) < cfg.design.max_per_arm:
+        before = len(own.shared)
+        n = cfg.salt_control_trials if not own.shared else cfg.design.batch
+        for _ in range(n):
+            control.trial(own, salt_a, salt_a)
+        if own.cross_hits:
+            break  # cached_tokens shows the hit directly
+        if len(own.errors) > cfg.max_error_fraction * max(len(own.shared), 1) + 1:
+            break
+        result = test.add(own.shared[before:], own.fresh[before:])
+    return own, result
 
 
 def _design(cfg: PrefixSharingConfig) -> dict[str, JSONValue]:
