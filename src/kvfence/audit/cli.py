@@ -126,47 +126,60 @@ def audit(
             seed=seed,
             quiet=quiet,
         )
-
-        def run_targets(progress: ProgressFn | None, on_result: ResultFn | None) -> AuditRun:
-            if progress is not None:
-                actx.progress = progress
-            with actx.open():
-                return run_audit(
-                    list(targets), actx, engine=engine, checks=names, on_result=on_result
-                )
-
-        run = _with_progress(run_targets, len(targets) * len(names), quiet, console)
+        body = _on_targets(actx, list(targets), engine, names)
+        run = _with_progress(body, len(targets) * len(names), quiet, console)
     else:
-        runner = _embedded_runner()
-        if runner is None:
-            console.print(
-                "no --target given and the embedded default is not available in this build: "
-                "start `kvfence serve` and pass --target URL"
-            )
-            sys.exit(2)
+        body = _on_embedded(console, names, headroom, seed, budget)
         if html_out is None:
             html_out = str(Path(tempfile.mkdtemp(prefix="kvfence-audit-")) / "report.html")
-
-        def run_embedded(progress: ProgressFn | None, on_result: ResultFn | None) -> AuditRun:
-            return runner(
-                checks=names,
-                headroom=headroom,
-                seed=seed,
-                progress=progress,
-                budget=budget,
-                on_result=on_result,
-            )
-
-        run = _with_progress(run_embedded, 2 * len(names), quiet, console)
+        run = _with_progress(body, 2 * len(names), quiet, console)
     finish(run, console, html_out, json_out, junit_out, quiet, fail_on_inconclusive)
 
 
 ProgressFn = Callable[[str, float | None], None]
 ResultFn = Callable[[CheckResult], None]
+AuditBody = Callable[[ProgressFn | None, ResultFn | None], AuditRun]
+
+
+def _on_targets(
+    actx: AuditContext, targets: list[str], engine: str, names: tuple[str, ...]
+) -> AuditBody:
+    def run_targets(progress: ProgressFn | None, on_result: ResultFn | None) -> AuditRun:
+        if progress is not None:
+            actx.progress = progress
+        with actx.open():
+            return run_audit(targets, actx, engine=engine, checks=names, on_result=on_result)
+
+    return run_targets
+
+
+def _on_embedded(
+    console: Console, names: tuple[str, ...], headroom: float, seed: int, budget: Budget
+) -> AuditBody:
+    """The embedded default (no --target): a kvfence server this command starts itself."""
+    runner = _embedded_runner()
+    if runner is None:
+        console.print(
+            "no --target given and the embedded default is not available in this build: "
+            "start `kvfence serve` and pass --target URL"
+        )
+        sys.exit(2)
+
+    def run_embedded(progress: ProgressFn | None, on_result: ResultFn | None) -> AuditRun:
+        return runner(
+            checks=names,
+            headroom=headroom,
+            seed=seed,
+            progress=progress,
+            budget=budget,
+            on_result=on_result,
+        )
+
+    return run_embedded
 
 
 def _with_progress(
-    body: Callable[[ProgressFn | None, ResultFn | None], AuditRun],
+    body: AuditBody,
     total: int,
     quiet: bool,
     console: Console,

@@ -144,9 +144,9 @@ def run_audit(
     on_result: Callable[[CheckResult], None] | None = None,
 ) -> AuditRun:
     """Run `checks` on every target in `urls`; every request bounded by `ctx.budget`."""
-    for name in checks:
-        if name not in ALL_CHECKS:
-            raise ValueError(f"unknown check {name!r}; choose from {', '.join(ALL_CHECKS)}")
+    unknown = [name for name in checks if name not in ALL_CHECKS]
+    if unknown:
+        raise ValueError(f"unknown check {unknown[0]!r}; choose from {', '.join(ALL_CHECKS)}")
     ordered = tuple(n for n in ALL_CHECKS if n in checks)
     started = datetime.now(UTC).isoformat(timespec="seconds")
     t0 = time.monotonic()
@@ -177,15 +177,19 @@ def run_audit(
         started_at=started,
         duration_s=time.monotonic() - t0,
         requests_sent=ctx.budget.sent,
-        settings={
-            "engine": engine,
-            "headroom": ctx.headroom,
-            "context_override": ctx.context_override,
-            "seed": ctx.seed,
-            "max_requests": ctx.budget.max_requests,
-            "max_seconds": ctx.budget.max_seconds,
-        },
+        settings=_settings(engine, ctx),
     )
+
+
+def _settings(engine: str, ctx: AuditContext) -> dict[str, JSONValue]:
+    return {
+        "engine": engine,
+        "headroom": ctx.headroom,
+        "context_override": ctx.context_override,
+        "seed": ctx.seed,
+        "max_requests": ctx.budget.max_requests,
+        "max_seconds": ctx.budget.max_seconds,
+    }
 
 
 def _resolve(url: str, engine: str, ctx: AuditContext) -> tuple[TargetSummary, Target | None]:
