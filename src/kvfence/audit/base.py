@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     from kvfence.audit.targets.base import Target
 
 DEFAULT_HEADROOM = 1.25
+DEFAULT_ALPHA = 1e-3  # family-wise false-alarm rate of one audit, per target
+# The checks that decide by a p-value; `--alpha` is split over those a run includes.
+STATISTICAL_CHECKS = ("noninterference", "latency", "prefix_sharing")
 Tenant = Literal["a", "b"]
 JSONValue = Any  # a value json.dumps accepts (dict/list/str/int/float/bool/None)
 
@@ -174,6 +177,8 @@ class CheckResult:
     requests_sent: int = 0
     duration_s: float = 0.0
     plots: list[Plot] = field(default_factory=list)
+    p_value: float | None = None  # statistical checks: the test's p-value ...
+    alpha: float | None = None  # ... and the level it was judged at (the check's share)
 
     def to_json(self) -> dict[str, JSONValue]:
         return {
@@ -184,6 +189,8 @@ class CheckResult:
             "evidence": self.evidence,
             "requests_sent": self.requests_sent,
             "duration_s": round(self.duration_s, 4),
+            "p_value": self.p_value,
+            "alpha": self.alpha,
             "plots": [p.to_json() for p in self.plots],
         }
 
@@ -255,6 +262,10 @@ class AuditContext:
       from `rng` so a run is reproducible.
     - `progress(message, fraction_or_None)`: report long work; cheap to call.
     - `request_timeout_s`: per request, further capped by the budget's time.
+    - `alpha`: the family-wise false-alarm rate per target; `statistical` the
+      statistical checks this run includes. `alpha_for(check)` is one check's
+      Bonferroni share, so the chance that any of them fails an honest target
+      is at most `alpha` whatever the dependence between them.
     """
 
     key_a: str | None = None
@@ -267,6 +278,8 @@ class AuditContext:
     progress: ProgressFn = _no_progress
     quiet: bool = False
     request_timeout_s: float = 120.0
+    alpha: float = DEFAULT_ALPHA
+    statistical: tuple[str, ...] = STATISTICAL_CHECKS
     rng: random.Random = field(init=False)
     _clients: dict[tuple[str, str], ProbeClient] = field(init=False, default_factory=dict)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
@@ -274,7 +287,13 @@ class AuditContext:
     def __post_init__(self) -> None:
         if self.headroom < 1.0:
             raise ValueError(f"headroom must be >= 1, got {self.headroom}")
+        if not 0 < self.alpha < 1:
+            raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
         self.rng = random.Random(self.seed)
+
+    def alpha_for(self, check: str) -> float:
+        """`check`'s share of the family-wise alpha (Bonferroni over the run's statistical checks)."""
+        return self.alpha / max(1, len(set(self.statistical) & set(STATISTICAL_CHECKS)))
 
     def key(self, tenant: Tenant) -> str | None:
         return self.key_a if tenant == "a" else self.key_b

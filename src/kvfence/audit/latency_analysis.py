@@ -1,0 +1,395 @@
+"""Signal 3 as a hypothesis test: were the long prompts prefilled?
+
+H0: "the long prompts were prefilled". Prefilling more tokens is more work,
+so under H0 the long probes' times are stochastically no smaller than those
+of the *neighbour* bucket (the longest shorter length) timed beside them:
+the probes are interleaved in time, so load, GC pauses and noisy neighbours
+hit both alike. Only this monotonicity is assumed — no straight line is
+extrapolated: a cost curve that bends under load (batching makes it concave,
+page and chunk boundaries make it steppy) would make a fitted line
+over-predict the long prompts and page someone for nothing.
+
+1. Buckets: short (the shortest length), neighbour, long (the longest).
+2. The floor ``c = median(short) + f · (q75(long ∪ neighbour) − median(short))``:
+   a probe is "fast" when it skipped more than a fraction f of the extra cost
+   that the costlier of the two buckets pays over a short prompt. ``c`` is a
+   symmetric function of the pooled long ∪ neighbour sample (and of the short
+   bucket, which is neither), so it does not depend on which of the pooled
+   probes is long.
+3. Conditional on how many pooled probes are fast, the number among the long
+   ones is hypergeometric when the labels are exchangeable, and stochastically
+   smaller under H0's ordering; the one-sided exact (Fisher) p-value is its
+   upper tail (`stats.fast_excess`). A skipped prefill (a cross-tenant cache
+   hit, a 1-token placeholder) makes every long probe fast and no neighbour.
+4. FAIL when p < alpha *and* the physics is measurable: the extra cost
+   ``q75 − median(short)`` clears k·σ (σ: the short bucket's robust spread);
+   with ``strict_physics`` (the guard) the Theil–Sen slope's lower 95% bound
+   over all shorter probes is also > 0 and the extra cost clears k × their
+   residual spread. FAIL ⊂ {p < alpha}, so the false-alarm rate is ≤ alpha.
+   INCONCLUSIVE when the physics is not measurable, or when even the most
+   extreme outcome (every long probe fast, no neighbour) could not reach
+   alpha — the summary says how many probes would. PASS otherwise. Every
+   verdict carries the p-value, the alpha and the requests it took.
+
+The Theil–Sen fit over the shorter probes is drawn in the plot and reported;
+it decides nothing but the strict physics.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from kvfence.audit.base import DEFAULT_ALPHA, JSONValue, Plot, PlotSeries, Verdict
+from kvfence.audit.stats import (
+    ExcessTest,
+    LinearFit,
+    fast_excess,
+    hypergeom_upper_tail,
+    percentile,
+    robust_line,
+    robust_sigma,
+)
+
+TimingKind = Literal["prefill", "ttft", "e2e"]
+
+
+@dataclass(frozen=True, slots=True)
+class LatencySample:
+    """One timed request: prompt length in tokens and seconds until prefill ended."""
+
+    prompt_tokens: int
+    seconds: float
+    kind: TimingKind = "ttft"
+    source: str = ""  # "line 12", "probe 7": where a flagged point came from
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyConfig:
+    """Thresholds of the analysis and the live sweep's shape.
+
+    ``tolerance_sigmas`` (k) and ``skipped_fraction`` (f) define "fast" (module
+    docstring). ``alpha``: the test's level; None takes the audit's share of
+    its family-wise ``--alpha`` (`AuditContext.alpha_for`). ``repeats``: probes
+    per length; None sizes them so the design reaches alpha with ``slack``
+    probes to spare (`repeats_for`). ``lengths`` overrides the sweep (else
+    geometric from ``min_tokens`` to the longest accepted prompt, ``points``
+    lengths). ``long_quantile`` is reported, not judged.
+    """
+
+    tolerance_sigmas: float = 4.0
+    skipped_fraction: float = 0.25
+    alpha: float | None = None
+    long_quantile: float = 5.0
+    repeats: int | None = None
+    slack: int = 1
+    max_repeats: int = 64
+    points: int = 5
+    min_tokens: int = 16
+    max_tokens_cap: int | None = None
+    lengths: tuple[int, ...] | None = None
+    min_samples: int = 8
+    noise_floor_s: float = 1e-4
+    warmup: int = 1
+    max_error_fraction: float = 0.2
+    token_range: tuple[int, int] = (100, 500)
+    strict_physics: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tolerance_sigmas <= 0 or not 0 < self.skipped_fraction <= 1:
+            raise ValueError("need tolerance_sigmas > 0 and 0 < skipped_fraction <= 1")
+        if not 0 < self.long_quantile < 50:
+            raise ValueError("long_quantile must be in (0, 50)")
+        if self.alpha is not None and not 0 < self.alpha < 1:
+            raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
+        if (self.repeats is not None and self.repeats < 1) or self.points < 3:
+            raise ValueError("need repeats >= 1 and points >= 3")
+        if self.min_tokens < 1 or self.slack < 0 or self.max_repeats < 1:
+            raise ValueError("need min_tokens >= 1, slack >= 0 and max_repeats >= 1")
+
+    def sweep(self, longest_accepted: int) -> list[int]:
+        """The prompt lengths to probe, ending at the longest accepted prompt."""
+        if self.lengths is not None:
+            return sorted(set(self.lengths))
+        top = longest_accepted
+        if self.max_tokens_cap is not None:
+            top = min(top, self.max_tokens_cap)
+        if top <= self.min_tokens:
+            return [top]
+        grid = np.geomspace(self.min_tokens, top, self.points)
+        return sorted({round(float(v)) for v in grid} | {top})
+
+    def repeats_for(self, alpha: float) -> int:
+        """Probes per length: as configured, or the fewest whose design reaches alpha."""
+        if self.repeats is not None:
+            return self.repeats
+        for r in range(1, self.max_repeats + 1):
+            if design_p_value(r, r, self.slack) < alpha:
+                return r
+        return self.max_repeats
+
+
+def design_p_value(n_long: int, n_neighbour: int, slack: int) -> float:
+    """The p-value when a skip is total but ``slack`` probes go the wrong way.
+
+    The worse of: every long probe fast and ``slack`` neighbours fast by
+    chance; or ``slack`` long probes slowed past the floor by load, no
+    neighbour fast. A design is big enough for alpha when this is below it.
+    """
+    total = n_long + n_neighbour
+    extra = hypergeom_upper_tail(n_long, total, n_long + min(slack, n_neighbour), n_long)
+    kept = max(n_long - slack, 1)
+    missed = hypergeom_upper_tail(kept, total, kept, n_long)
+    return max(extra, missed)
+
+
+@dataclass(slots=True)
+class LatencyAnalysis:
+    """The outcome of the analysis: verdict, summary, evidence and plot data."""
+
+    verdict: Verdict
+    summary: str
+    evidence: dict[str, JSONValue] = field(default_factory=dict)
+    plot: Plot | None = None
+    fit: LinearFit | None = None
+    flagged: list[LatencySample] = field(default_factory=list)
+    p_value: float | None = None
+    alpha: float = DEFAULT_ALPHA
+
+
+@dataclass(frozen=True, slots=True)
+class Buckets:
+    """Short, neighbour and long probes (module docstring), and everything but the long."""
+
+    short: list[LatencySample]
+    neighbour: list[LatencySample]
+    long: list[LatencySample]
+    reference: list[LatencySample]
+
+
+def buckets(samples: Sequence[LatencySample]) -> Buckets:
+    """Split a sweep (few distinct lengths) by exact length: short = the shortest,
+    neighbour = the second longest, long = the longest. A log (many lengths)
+    uses quantiles of length: short = bottom fifth, neighbour = [p70, p90),
+    long = top decile."""
+    lengths = sorted({s.prompt_tokens for s in samples})
+    if len(lengths) <= 12:
+        lo, mid, hi = lengths[0], lengths[-2] if len(lengths) > 1 else lengths[0], lengths[-1]
+        short = [s for s in samples if s.prompt_tokens == lo]
+        neighbour = [s for s in samples if s.prompt_tokens == mid and mid != hi]
+        long = [s for s in samples if s.prompt_tokens == hi]
+    else:
+        arr = np.array([s.prompt_tokens for s in samples], dtype=float)
+        q20, q70, q90 = (float(np.percentile(arr, q)) for q in (20, 70, 90))
+        short = [s for s in samples if s.prompt_tokens <= q20]
+        neighbour = [s for s in samples if q70 <= s.prompt_tokens < q90]
+        long = [s for s in samples if s.prompt_tokens >= q90]
+    long_ids = {id(s) for s in long}
+    return Buckets(short, neighbour, long, [s for s in samples if id(s) not in long_ids])
+
+
+@dataclass(frozen=True, slots=True)
+class Floor:
+    """The "fast" floor c and the numbers it came from."""
+
+    short_median: float
+    sigma: float  # the short bucket's robust spread: the noise
+    upper: float  # q75 of long ∪ neighbour: what the costlier bucket pays
+    skipped_fraction: float
+
+    @property
+    def increment(self) -> float:
+        return self.upper - self.short_median
+
+    @property
+    def threshold(self) -> float:
+        return self.short_median + self.skipped_fraction * self.increment
+
+    def fast(self, s: LatencySample) -> bool:
+        return s.seconds < self.threshold
+
+
+def _inconclusive(why: str, evidence: dict[str, JSONValue], alpha: float) -> LatencyAnalysis:
+    return LatencyAnalysis(Verdict.INCONCLUSIVE, why, {**evidence, "alpha": alpha}, alpha=alpha)
+
+
+def analyse(
+    samples: Sequence[LatencySample], config: LatencyConfig | None = None
+) -> LatencyAnalysis:
+    """Test H0 "the long prompts were prefilled" (module docstring) on timed fresh prompts."""
+    cfg = config or LatencyConfig()
+    alpha = cfg.alpha if cfg.alpha is not None else DEFAULT_ALPHA
+    if len(samples) < cfg.min_samples:
+        why = f"only {len(samples)} timed requests (need {cfg.min_samples})"
+        return _inconclusive(why, {"samples": len(samples)}, alpha)
+    b = buckets(samples)
+    ref_lengths = {s.prompt_tokens for s in b.reference}
+    if len(ref_lengths) < 2 or len(b.reference) < 3 or not b.long or not b.neighbour:
+        why = "need at least two shorter prompt lengths and a long bucket to compare"
+        return _inconclusive(why, {"samples": len(samples), "lengths": len(ref_lengths)}, alpha)
+    fit = robust_line([s.prompt_tokens for s in b.reference], [s.seconds for s in b.reference])
+    short_t = [s.seconds for s in b.short]
+    floor = Floor(
+        float(np.median(short_t)),
+        max(robust_sigma(short_t), cfg.noise_floor_s),
+        percentile([s.seconds for s in b.long + b.neighbour], 75.0),
+        cfg.skipped_fraction,
+    )
+    excess = fast_excess(
+        sum(floor.fast(s) for s in b.long), len(b.long),
+        sum(floor.fast(s) for s in b.neighbour), len(b.neighbour),
+    )  # fmt: skip
+    flagged = [s for s in b.long if floor.fast(s)]
+    evidence = _evidence(samples, b, fit, floor, excess, flagged, cfg, alpha)
+    result = _judge(b, fit, floor, excess, cfg, alpha, evidence)
+    result.plot, result.fit, result.flagged = _plot(samples, fit, flagged), fit, flagged
+    return result
+
+
+def _measurable(fit: LinearFit, floor: Floor, cfg: LatencyConfig) -> bool:
+    """A skipped prefill would be visible: the extra cost is above the noise."""
+    k = cfg.tolerance_sigmas
+    if cfg.strict_physics:  # the guard: the slope's lower bound itself is uphill
+        spread = max(floor.sigma, fit.residual_sigma)
+        return fit.slope_low > 0 and floor.increment >= k * spread
+    return fit.slope > 0 and floor.increment >= k * floor.sigma
+
+
+def _judge(
+    b: Buckets,
+    fit: LinearFit,
+    floor: Floor,
+    excess: ExcessTest,
+    cfg: LatencyConfig,
+    alpha: float,
+    evidence: dict[str, JSONValue],
+) -> LatencyAnalysis:
+    long_len = float(np.median([s.prompt_tokens for s in b.long]))
+    mid_len = float(np.median([s.prompt_tokens for s in b.neighbour]))
+    n = excess.long_total + excess.ref_total
+    counts = (
+        f"{excess.long_fast} of {excess.long_total} long ({long_len:.0f}-token) probes under "
+        f"the floor {floor.threshold * 1e3:.2f} ms vs {excess.ref_fast} of {excess.ref_total} "
+        f"{mid_len:.0f}-token ones"
+    )
+    stat = f"p = {excess.p_value:.2g}, alpha {alpha:.2g}, {n} requests compared"
+    if not _measurable(fit, floor, cfg):
+        verdict, summary = (
+            Verdict.INCONCLUSIVE,
+            (
+                f"prefill cost not measurable above noise: the costlier prompts pay only "
+                f"{floor.increment * 1e3:.3f} ms over {floor.short_median * 1e3:.2f} ms "
+                f"(noise σ {floor.sigma * 1e3:.3f} ms, need {cfg.tolerance_sigmas:g}σ); "
+                f"{counts} ({stat})"
+            ),
+        )
+    elif excess.p_value < alpha:
+        verdict, summary = Verdict.FAIL, f"long prompts answered too fast: {counts} ({stat})"
+    elif excess.min_p_value >= alpha:
+        need = _probes_needed(excess, alpha, cfg.slack)
+        verdict, summary = (
+            Verdict.INCONCLUSIVE,
+            (
+                f"too few probes to reach alpha {alpha:.2g}: even every long probe fast would give "
+                f"p = {excess.min_p_value:.2g}; {need}; {counts}"
+            ),
+        )
+    else:
+        verdict, summary = Verdict.PASS, f"long prompts pay their prefill: {counts} ({stat})"
+    return LatencyAnalysis(verdict, summary, evidence, p_value=excess.p_value, alpha=alpha)
+
+
+def _probes_needed(excess: ExcessTest, alpha: float, slack: int) -> str:
+    for n in range(max(excess.long_total, excess.ref_total) + 1, 1001):
+        if design_p_value(n, n, slack) < alpha:
+            return f"{n} long and {n} neighbour probes would"
+    return "more than 1000 long probes would be needed"
+
+
+def _evidence(
+    samples: Sequence[LatencySample],
+    b: Buckets,
+    fit: LinearFit,
+    floor: Floor,
+    excess: ExcessTest,
+    flagged: list[LatencySample],
+    cfg: LatencyConfig,
+    alpha: float,
+) -> dict[str, JSONValue]:
+    long_t = [s.seconds for s in b.long]
+    return {
+        "samples": len(samples),
+        "timing": dict(Counter(s.kind for s in samples)),
+        "fit": {
+            "slope_s_per_token": fit.slope,
+            "intercept_s": fit.intercept,
+            "slope_95ci": [fit.slope_low, fit.slope_high],
+            "residual_sigma_s": fit.residual_sigma,
+            "fitted_on": len(b.reference),
+        },
+        "short_bucket": {
+            "tokens": float(np.median([s.prompt_tokens for s in b.short])),
+            "n": len(b.short),
+            "median_s": floor.short_median,
+            "noise_sigma_s": floor.sigma,
+        },
+        "neighbour_bucket": {
+            "tokens": float(np.median([s.prompt_tokens for s in b.neighbour])),
+            "n": len(b.neighbour),
+            "median_s": float(np.median([s.seconds for s in b.neighbour])),
+        },
+        "long_bucket": {
+            "tokens": float(np.median([s.prompt_tokens for s in b.long])),
+            "n": len(b.long),
+            f"p{cfg.long_quantile:g}_s": percentile(long_t, cfg.long_quantile),
+            "median_s": float(np.median(long_t)),
+        },
+        "predicted_prefill_increment_s": floor.increment,
+        "alarm_threshold_s": floor.threshold,
+        "test": {
+            **excess.to_json(),
+            "alpha": alpha,
+            "h0": "the long prompts were prefilled: no faster than the neighbour bucket",
+            "method": "one-sided exact hypergeometric (Fisher) test, long vs neighbour",
+        },
+        "p_value": excess.p_value,
+        "alpha": alpha,
+        "flagged": [
+            {"prompt_tokens": s.prompt_tokens, "seconds": s.seconds, "source": s.source}
+            for s in flagged[:50]
+        ],
+        "flagged_count": len(flagged),
+    }
+
+
+def _plot(samples: Sequence[LatencySample], fit: LinearFit, flagged: list[LatencySample]) -> Plot:
+    flagged_ids = {id(s) for s in flagged}
+    xs = [float(s.prompt_tokens) for s in samples]
+    lo, hi = min(xs), max(xs)
+    return Plot(
+        kind="xy",
+        title="TTFT vs prompt length",
+        x_label="prompt tokens",
+        y_label="seconds",
+        series=[
+            PlotSeries(
+                "requests",
+                x=xs,
+                y=[s.seconds for s in samples],
+                style="points",
+                flags=[id(s) in flagged_ids for s in samples],
+                labels=[s.source for s in samples],
+            ),
+            PlotSeries(
+                "prefill fit",
+                x=[lo, hi],
+                y=[float(fit.predict(lo)), float(fit.predict(hi))],
+                style="line",
+            ),
+        ],
+        note="fit on all but the longest bucket (Theil–Sen); red: long prompts under the floor",
+    )
