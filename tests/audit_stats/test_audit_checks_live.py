@@ -207,25 +207,30 @@ def test_noninterference_passes_on_the_hardened_server(hardened: Server) -> None
     res = _run(hardened, NoninterferenceCheck(NoninterferenceConfig(repeats=5)))
     assert res.verdict is Verdict.PASS, res.summary
     assert res.evidence["load"]["ok"] > 0
-    assert res.evidence["under_load"]["answers"] == 4 * 5
+    # Repeats grow from 5 until a probe that always diverges under load could reach the
+    # check's share of alpha (5 could not: a pass there could not have been a fail).
+    assert res.evidence["repeats"] > 5
+    assert res.evidence["under_load"]["answers"] == 4 * res.evidence["repeats"]
     assert res.evidence["fisher_p_value"] >= 1e-3
 
 
 def test_prefill_latency_does_not_fail_on_the_hardened_server(hardened: Server) -> None:
-    cfg = LatencyConfig(repeats=4, points=5, min_tokens=16, max_tokens_cap=2048)
+    cfg = LatencyConfig(points=5, min_tokens=16, max_tokens_cap=2048)
     res = _run(hardened, LatencyCheck(cfg))
     # Honest prefill is never "too fast"; on a busy 2-core machine the noise may
     # hide the slope (inconclusive), but a fail would be a false alarm.
     assert res.verdict in (Verdict.PASS, Verdict.INCONCLUSIVE), res.summary
     assert res.verdict is not Verdict.FAIL
-    assert res.evidence["samples"] == 5 * 4
+    assert res.evidence["samples"] == 5 * res.evidence["sweep"]["repeats"]
+    assert res.alpha == pytest.approx(1e-3 / 3) and res.p_value is not None
     assert res.plots and res.plots[0].kind == "xy"
 
 
 def test_prefill_latency_fails_on_the_incident_reject_path(incident: Server) -> None:
-    cfg = LatencyConfig(repeats=4, points=5, min_tokens=16)
+    cfg = LatencyConfig(points=5, min_tokens=16)
     res = _run(incident, LatencyCheck(cfg))
     assert res.verdict is Verdict.FAIL, res.summary
+    assert res.p_value is not None and res.alpha is not None and res.p_value < res.alpha
     ev = res.evidence
     assert ev["sweep"]["lengths"][-1] == 4095  # the longest accepted prompt, past the pool
     assert ev["long_bucket"]["p5_s"] < ev["alarm_threshold_s"]

@@ -18,7 +18,7 @@ from kvfence.watch.cli import parse_listen, verdict_of
 from kvfence.watch.fingerprint import Fingerprint
 from kvfence.watch.guard import Interval
 from kvfence.watch.metrics import WatchMetrics
-from kvfence.watch.probes import TimingWindow, window_rounds
+from kvfence.watch.probes import MIN_ROUNDS, ROUND, SLACK, TimingWindow, window_rounds
 
 
 def facts(pool: int | None, faults: str = "none") -> TargetFacts:
@@ -77,14 +77,15 @@ ALPHA_1S = AlarmBudget(1.0, 1.0).alpha  # the Prometheus test's interval: ~3.9e-
 
 
 def _window(
-    seconds_of: Callable[[int, random.Random], float], seed: int = 0, rounds: int = 16
+    seconds_of: Callable[[int, random.Random], float], seed: int = 0, rounds: int = 20
 ) -> TimingWindow:
-    """The rounds the guard sends: longest, neighbour, one shorter length in rotation."""
+    """The rounds the guard sends: longest and neighbour twice, one shorter in rotation."""
     rng = random.Random(seed)
     w = TimingWindow(ALPHA_1S)
+    assert w.samples.maxlen == ROUND * window_rounds(ALPHA_1S) >= ROUND * rounds
     others = (16, 38, 90)
     for i in range(rounds):
-        for n in (511, 214, others[i % 3]):
+        for n in (511, 214, 511, 214, others[i % 3]):
             w.samples.append(LatencySample(n, seconds_of(n, rng), "ttft", f"{n}"))
     return w
 
@@ -95,9 +96,12 @@ def test_the_budget_sets_each_tests_alpha_by_the_union_bound() -> None:
     assert "alpha 2.3e-05 per test" in AlarmBudget().describe()
     with pytest.raises(ValueError):
         AlarmBudget(0.0, 60.0)
-    # The window is big enough that a total skip reaches the alpha with 2 probes to spare.
+    # The window is big enough that a total skip reaches the alpha with SLACK probes to spare,
+    # and grows with -log alpha.
     rounds = window_rounds(ALPHA_1S)
-    assert design_p_value(rounds, rounds, 2) < ALPHA_1S <= design_p_value(rounds - 4, rounds - 4, 2)
+    assert rounds >= MIN_ROUNDS and design_p_value(2 * rounds, 2 * rounds, SLACK) < ALPHA_1S
+    assert design_p_value(2 * MIN_ROUNDS, 2 * MIN_ROUNDS, SLACK) >= 1e-15
+    assert window_rounds(1e-15) > MIN_ROUNDS
 
 
 def test_timing_alarm_is_the_exact_test_at_the_budget_alpha() -> None:
@@ -113,7 +117,7 @@ def test_timing_alarm_is_the_exact_test_at_the_budget_alpha() -> None:
     result, alarm = _window(skipped).judge()
     assert alarm, result.summary  # one window is enough: no streak rule
     assert result.p_value is not None and result.p_value < ALPHA_1S == result.alpha
-    young, alarm = _window(skipped, rounds=6).judge()  # best p 1/C(12, 6): cannot page yet
+    young, alarm = _window(skipped, rounds=4).judge()  # best p 1/C(16, 8): cannot page yet
     assert not alarm and young.verdict is Verdict.INCONCLUSIVE, young.summary
     for seed in range(20):  # heavy load noise (mean 20 ms over a 4-100 ms prefill)
         flat, paid = _window(lambda n, r: noise(r), seed), _window(real, seed)

@@ -25,12 +25,12 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvfence.audit import report
-from kvfence.audit.base import DEFAULT_HEADROOM, AuditContext, Budget, CheckResult
+from kvfence.audit.base import DEFAULT_ALPHA, DEFAULT_HEADROOM, AuditContext, Budget, CheckResult
 from kvfence.audit.runbook import ALL_CHECKS, AuditRun, run_audit
 from kvfence.audit.targets.registry import ENGINE_CHOICES
 
 # "module:function" of the embedded-default runner:
-#   (checks, headroom, seed, progress, budget, on_result) -> AuditRun
+#   (checks, headroom, seed, progress, budget, on_result, alpha) -> AuditRun
 EMBEDDED_HOOK = "kvfence.audit.embedded:audit_embedded"
 
 
@@ -77,6 +77,13 @@ def _embedded_runner() -> Callable[..., AuditRun] | None:
 @click.option("--max-requests", type=int, default=5000, show_default=True)
 @click.option("--max-seconds", type=float, default=900.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--alpha",
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    default=DEFAULT_ALPHA,
+    show_default=True,
+    help="family-wise false-alarm rate per target, split over the statistical checks",
+)
 @click.option("--quiet", is_flag=True, help="no progress, only the summary line")
 @click.option(
     "--fail-on-inconclusive/--no-fail-on-inconclusive",
@@ -101,6 +108,7 @@ def audit(
     max_requests: int,
     max_seconds: float,
     seed: int,
+    alpha: float,
     quiet: bool,
     fail_on_inconclusive: bool,
 ) -> None:
@@ -125,6 +133,7 @@ def audit(
             budget=budget,
             seed=seed,
             quiet=quiet,
+            alpha=alpha,
         )
 
         def run_targets(progress: ProgressFn | None, on_result: ResultFn | None) -> AuditRun:
@@ -155,6 +164,7 @@ def audit(
                 progress=progress,
                 budget=budget,
                 on_result=on_result,
+                alpha=alpha,
             )
 
         run = _with_progress(run_embedded, 2 * len(names), quiet, console)

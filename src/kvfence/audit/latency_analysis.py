@@ -23,9 +23,8 @@ over-predict the long prompts and page someone for nothing.
    hit, a 1-token placeholder) makes every long probe fast and no neighbour.
 4. FAIL when p < alpha *and* the physics is measurable: the extra cost
    ``q75 − median(short)`` clears k·σ (σ: the short bucket's robust spread);
-   with ``strict_physics`` (the guard) the Theil–Sen slope's lower 95% bound
-   over all shorter probes is also > 0 and the extra cost clears k × their
-   residual spread. FAIL ⊂ {p < alpha}, so the false-alarm rate is ≤ alpha.
+   and the Theil–Sen slope over all shorter probes is > 0 — with
+   ``strict_physics`` (the guard) its lower 95% bound is. FAIL ⊂ {p < alpha}, so the false-alarm rate is ≤ alpha.
    INCONCLUSIVE when the physics is not measurable, or when even the most
    extreme outcome (every long probe fast, no neighbour) could not reach
    alpha — the summary says how many probes would. PASS otherwise. Every
@@ -82,7 +81,7 @@ class LatencyConfig:
     """
 
     tolerance_sigmas: float = 4.0
-    skipped_fraction: float = 0.25
+    skipped_fraction: float = 0.4
     alpha: float | None = None
     long_quantile: float = 5.0
     repeats: int | None = None
@@ -252,11 +251,8 @@ def analyse(
 
 def _measurable(fit: LinearFit, floor: Floor, cfg: LatencyConfig) -> bool:
     """A skipped prefill would be visible: the extra cost is above the noise."""
-    k = cfg.tolerance_sigmas
-    if cfg.strict_physics:  # the guard: the slope's lower bound itself is uphill
-        spread = max(floor.sigma, fit.residual_sigma)
-        return fit.slope_low > 0 and floor.increment >= k * spread
-    return fit.slope > 0 and floor.increment >= k * floor.sigma
+    slope = fit.slope_low if cfg.strict_physics else fit.slope  # the guard: the lower bound
+    return slope > 0 and floor.increment >= cfg.tolerance_sigmas * floor.sigma
 
 
 def _judge(

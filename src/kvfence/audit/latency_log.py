@@ -41,7 +41,7 @@ from typing import Any
 
 import click
 
-from kvfence.audit.base import JSONValue, Verdict
+from kvfence.audit.base import DEFAULT_ALPHA, JSONValue, Verdict
 from kvfence.audit.latency_analysis import (
     LatencyAnalysis,
     LatencyConfig,
@@ -241,13 +241,26 @@ _DEFAULTS = LatencyConfig()  # frozen: CLI defaults are read from the config dat
 @click.option(
     "--skipped-fraction", type=float, default=_DEFAULTS.skipped_fraction, show_default=True
 )
+@click.option(
+    "--alpha",
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    default=DEFAULT_ALPHA,
+    show_default=True,
+    help="level of the exact test (H0: the long prompts were prefilled)",
+)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
 def latency_command(
-    log_path: str, tolerance_sigmas: float, skipped_fraction: float, json_out: str | None
+    log_path: str,
+    tolerance_sigmas: float,
+    skipped_fraction: float,
+    alpha: float,
+    json_out: str | None,
 ) -> None:
     """Prefill-latency check on a request log: exit 0 pass, 1 fail, 2 inconclusive."""
     try:
-        cfg = LatencyConfig(tolerance_sigmas=tolerance_sigmas, skipped_fraction=skipped_fraction)
+        cfg = LatencyConfig(
+            tolerance_sigmas=tolerance_sigmas, skipped_fraction=skipped_fraction, alpha=alpha
+        )
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     result = analyse_log(log_path, cfg)
@@ -261,6 +274,8 @@ def latency_command(
         payload: dict[str, JSONValue] = {
             "verdict": result.verdict.value,
             "summary": result.summary,
+            "p_value": result.p_value,
+            "alpha": result.alpha,
             "evidence": result.evidence,
             "plot": result.plot.to_json() if result.plot else None,
         }

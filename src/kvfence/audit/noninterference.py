@@ -23,9 +23,10 @@ from __future__ import annotations
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvfence.audit.alpha import fisher_repeats_for
 from kvfence.audit.base import AuditContext, Check, CheckResult, JSONValue, Verdict
 from kvfence.audit.client import ProbeClient, ProbeResponse
 from kvfence.audit.stats import divergence_excess
@@ -55,13 +56,13 @@ class NoninterferenceConfig:
     load_concurrency: int = 3
     load_tokens: int = 192
     load_max_tokens: int = 16
-    alpha: float = 1e-3
+    alpha: float | None = None  # None: the audit's share (AuditContext.alpha_for)
     token_range: tuple[int, int] = (100, 500)
 
     def __post_init__(self) -> None:
         if min(self.probes, self.probe_tokens, self.max_tokens, self.repeats) < 1:
             raise ValueError("probes, probe_tokens, max_tokens and repeats must be >= 1")
-        if self.load_concurrency < 1 or not 0 < self.alpha < 1:
+        if self.load_concurrency < 1 or not 0 < (self.alpha or 0.5) < 1:
             raise ValueError("need load_concurrency >= 1 and 0 < alpha < 1")
 
 
@@ -220,11 +221,15 @@ class NoninterferenceCheck(Check):
         self.config = config or NoninterferenceConfig()
 
     def run(self, ctx: AuditContext, target: Target) -> CheckResult:
-        cfg = self.config
         client_a, client_b = ctx.client(target, "a"), ctx.client(target, "b")
         target.facts(client_a)
         facts = target.facts(client_b)
-        lengths, how = probe_lengths(cfg, facts, ctx.context_override)
+        lengths, how = probe_lengths(self.config, facts, ctx.context_override)
+        # The share of --alpha is split over len(lengths) + 1 tests; repeats grow until a
+        # probe that diverges every time under load and never alone can reach it.
+        alpha = self.config.alpha or ctx.alpha_for(self.name)
+        repeats = fisher_repeats_for(alpha / (len(lengths) + 1), self.config.repeats)
+        cfg = replace(self.config, alpha=alpha, repeats=repeats)
         rng = random.Random(ctx.rng.random())
         lo, hi = cfg.token_range
         all_prompts = [[rng.randrange(lo, hi) for _ in range(n)] for n in lengths]
@@ -287,6 +292,8 @@ class NoninterferenceCheck(Check):
         result.evidence["probe_tokens"] = [len(p) for p in prompts]
         result.evidence["probe_lengths_from"] = how
         result.evidence["dropped_probes"] = dropped
+        result.alpha, p = alpha, result.evidence.get("p_value")
+        result.p_value = p if isinstance(p, float) else None
         return result
 
     def _verdict(
@@ -319,7 +326,8 @@ class NoninterferenceCheck(Check):
         # One pooled test plus one per probe (interference may hit only the long
         # probe); Bonferroni keeps the family's false-alarm rate at alpha.
         probes = sorted(alone.per_probe.keys() & loaded.per_probe.keys())
-        per_test_alpha = cfg.alpha / (len(probes) + 1)
+        alpha = cfg.alpha or 0.0  # set by run()
+        per_test_alpha = alpha / (len(probes) + 1)
         pooled = divergence_excess(alone.diverged, alone.total, loaded.diverged, loaded.total)
         per_probe = {
             i: divergence_excess(
@@ -332,7 +340,7 @@ class NoninterferenceCheck(Check):
         }
         evidence["fisher_p_value"] = pooled.p_value
         evidence["fisher_p_value_per_probe"] = {str(i): t.p_value for i, t in per_probe.items()}
-        evidence["alpha"] = cfg.alpha
+        evidence["alpha"] = alpha
         evidence["alpha_per_test"] = per_test_alpha
         rates = (
             f"divergence alone {alone.diverged}/{alone.total}, under A's load "
@@ -340,6 +348,7 @@ class NoninterferenceCheck(Check):
         )
         hits = [(-1, pooled), *per_probe.items()]
         worst_i, worst_t = min(hits, key=lambda it: it[1].p_value)
+        evidence["p_value"] = min(1.0, worst_t.p_value * len(hits))  # Bonferroni-adjusted
         if worst_t.p_value < per_test_alpha:
             where = "all probes" if worst_i < 0 else f"probe {worst_i}"
             return self.result(

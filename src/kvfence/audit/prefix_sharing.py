@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvfence.audit.alpha import sequential_design_for
 from kvfence.audit.base import (
     AuditContext,
     Check,
@@ -212,6 +213,7 @@ class PrefixSharingCheck(Check):
 
     def __init__(self, config: PrefixSharingConfig | None = None) -> None:
         self.config = config or PrefixSharingConfig()
+        self.own_alpha = config is not None  # an explicit design keeps its alpha
 
     def run(self, ctx: AuditContext, target: Target) -> CheckResult:
         cfg = self.config
@@ -230,6 +232,11 @@ class PrefixSharingCheck(Check):
         if cfg.salt == "only" or (cfg.salt == "auto" and salt_ok):
             tag = f"{rng.getrandbits(48):012x}"
             runs.append(("salted", f"kvfence-audit-a-{tag}", f"kvfence-audit-b-{tag}"))
+        if (
+            not self.own_alpha
+        ):  # the audit's share, split over the runs, in a design that reaches it
+            design = sequential_design_for(cfg.design, ctx.alpha_for(self.name) / len(runs))
+            cfg = replace(cfg, design=design)
         evidence: dict[str, JSONValue] = {
             "prefix_tokens": prefix_len,
             "prefix_length_from": how,
@@ -258,10 +265,13 @@ class PrefixSharingCheck(Check):
             summaries.append(f"{label}: {s}")
             plots.append(_hist(label, arms))
         verdict = worst(verdicts)
-        evidence["requests"] = sum(
-            int(e["requests"]) for k, e in evidence.items() if k in ("unsalted", "salted")
-        )
-        return self.result(target, verdict, "; ".join(summaries), evidence, plots)
+        ran = [evidence[k] for k in ("unsalted", "salted") if k in evidence]
+        evidence["requests"] = sum(int(e["requests"]) for e in ran)
+        out = self.result(target, verdict, "; ".join(summaries), evidence, plots)
+        adjusted = [e["ks"]["adjusted_p_value"] for e in ran if "ks" in e]  # x looks
+        out.p_value = min(1.0, min(adjusted) * len(runs)) if adjusted else None
+        out.alpha = cfg.design.alpha * len(runs)
+        return out
 
     def _salt_control(
         self, probe: _Probe, arms: Arms, salt_a: str | None, cfg: PrefixSharingConfig

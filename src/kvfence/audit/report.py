@@ -6,7 +6,8 @@ bumps the number):
   counts{pass, fail, inconclusive, skipped}, requests_sent, settings{...},
   checks[...], targets[{url, engine, detected_by, facts, error, requests_sent}],
   results[{check, target, verdict, summary, evidence, requests_sent,
-           duration_s, plots[{kind, title, x_label, y_label, series, note}]}]
+           duration_s, p_value, alpha (statistical checks; else null),
+           plots[{kind, title, x_label, y_label, series, note}]}]
 
 The HTML page is self-contained: inline CSS and SVG drawn here, no script,
 no external asset.
@@ -24,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvfence import __version__
-from kvfence.audit.base import JSONValue, Plot, PlotSeries, Verdict
+from kvfence.audit.base import CheckResult, JSONValue, Plot, PlotSeries, Verdict
 from kvfence.audit.runbook import AuditRun
 
 SCHEMA = "kvfence.audit/1"
@@ -127,12 +128,20 @@ def write_junit(run: AuditRun, path: str) -> None:
 # -- terminal ---------------------------------------------------------------------
 
 
+def significance(r: CheckResult) -> str:
+    """A statistical check's p-value and the alpha it was judged at ("" for the others)."""
+    if r.alpha is None:
+        return ""
+    p = "n/a" if r.p_value is None else f"{r.p_value:.2g}"
+    return f"{p} ({r.alpha:.2g})"
+
+
 def print_summary(run: AuditRun, console: Console, fail_on_inconclusive: bool = True) -> None:
     for t in run.targets:
         how = t.detected_by or t.error or ""
         console.print(f"[bold]{t.url}[/] — {t.engine or 'unidentified'} ({how})")
     table = Table(title="kvfence audit", show_lines=False)
-    for col in ("target", "check", "verdict", "requests", "time", "summary"):
+    for col in ("target", "check", "verdict", "requests", "time", "p (alpha)", "summary"):
         table.add_column(col, overflow="fold", no_wrap=col in ("verdict", "check"))
     for r in run.results:
         style = RICH_STYLES[r.verdict.value]
@@ -142,6 +151,7 @@ def print_summary(run: AuditRun, console: Console, fail_on_inconclusive: bool = 
             f"[{style}]{r.verdict.value.upper()}[/]",
             str(r.requests_sent),
             f"{r.duration_s:.1f}s",
+            significance(r),
             r.summary,
         )
     console.print(table)
@@ -386,12 +396,13 @@ def to_html(run: AuditRun, fail_on_inconclusive: bool = True) -> str:
         f"<h1>kvfence audit {_badge(verdict)}</h1>",
         f"<p>{e(run.started_at)} · {len(run.targets)} target(s) · {run.requests_sent} requests · "
         f"{run.duration_s:.1f}s · exit code {run.exit_code(fail_on_inconclusive)} · schema {SCHEMA}</p>",
-        "<table><tr><th>target</th><th>check</th><th>verdict</th><th>requests</th><th>summary</th></tr>",
+        "<table><tr><th>target</th><th>check</th><th>verdict</th><th>requests</th>"
+        "<th>p (alpha)</th><th>summary</th></tr>",
     ]
     for r in run.results:
         parts.append(
             f"<tr><td>{e(r.target)}</td><td>{e(r.check)}</td><td>{_badge(r.verdict.value)}</td>"
-            f"<td>{r.requests_sent}</td><td>{e(r.summary)}</td></tr>"
+            f"<td>{r.requests_sent}</td><td>{e(significance(r))}</td><td>{e(r.summary)}</td></tr>"
         )
     parts.append("</table>")
     for t in run.targets:

@@ -22,11 +22,11 @@ from kvfence.audit.targets.registry import make_target
 from kvfence.watch.budget import AlarmBudget
 from kvfence.watch.fingerprint import Fingerprint
 from kvfence.watch.metrics import WatchMetrics
-from kvfence.watch.probes import Makers, TimingWindow, canary_pair
+from kvfence.watch.probes import ROUND, Makers, TimingWindow, canary_pair
 
 log = logging.getLogger(__name__)
 FOREVER_S = 10 * 365 * 86400.0  # the watcher's budget is per minute, not per run
-PROBE_ROUND = 3 + 2 + 6  # timing probes + canary pair + the pair's tokenize/detokenize calls
+PROBE_ROUND = ROUND + 2 + 6  # timing probes + canary pair + the pair's tokenize/detokenize calls
 
 
 @dataclass(frozen=True, slots=True)

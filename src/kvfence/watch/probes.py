@@ -31,24 +31,27 @@ from kvfence.audit.latency import (
 from kvfence.audit.prompts import PromptMaker, make_sentinel, random_words
 from kvfence.audit.targets.base import TargetFacts
 
-# Each interval times one longest prompt, one of the neighbour length (the test compares
-# the two) and one more shorter length in rotation (the short bucket and the fit need them).
-ROUND = 3
-MIN_ROUNDS = 16  # the window holds at least this many rounds (48 probes)
-SLACK = 2  # the window reaches alpha even when 2 probes go the wrong way (design_p_value)
+# Each interval times the longest prompt and its neighbour length twice each (the test
+# compares the two) and one more shorter length in rotation (the short bucket and the fit).
+PAIRS_PER_ROUND = 2
+ROUND = 2 * PAIRS_PER_ROUND + 1
+MIN_ROUNDS = 20  # the window holds at least this many rounds: 40 long, 40 neighbour, 100 in all
+# The window reaches alpha even when a quarter of the long probes miss the floor
+# (design_p_value): under load, placeholder answers queue behind other work like any other.
+SLACK = 10
 # The guard judges its window every interval, forever, under whatever load the engine has.
 # Error control is the test's own: each judgement is the audit's exact test at the per-test
 # alpha that the operator's false-alarm budget allows (watch.budget), so no streak rule is
 # needed. The physics must be established beyond the audit's bar (strict_physics: the
-# slope's lower 95% bound is uphill and the extra cost clears k x the spread of every
-# shorter probe), so an engine with no measurable prefill cost never alarms.
+# slope's lower 95% bound is uphill too), so an engine with no measurable prefill cost
+# never alarms.
 WATCH_LATENCY = LatencyConfig(strict_physics=True)
 
 
 def window_rounds(alpha: float) -> int:
     """Rounds in the window: enough that a total skip reaches alpha with SLACK to spare."""
     rounds = MIN_ROUNDS
-    while design_p_value(rounds, rounds, SLACK) >= alpha and rounds < 512:
+    while design_p_value(n := rounds * PAIRS_PER_ROUND, n, SLACK) >= alpha and rounds < 512:
         rounds += 1
     return rounds
 
@@ -117,11 +120,12 @@ class TimingWindow:
         self.samples.clear()
 
     def probe(self, client: ProbeClient, limit: int, rng: random.Random) -> int:
-        """One round: the longest accepted prompt, its neighbour and one shorter. Returns sent."""
+        """One round: the longest accepted prompt and its neighbour (twice each), then one
+        shorter length in rotation. Returns requests sent."""
         lengths = self.config.sweep(limit)
         others = lengths[:-2] or lengths
-        plan = [lengths[-1], lengths[-2] if len(lengths) > 1 else lengths[0]]
-        plan.append(others[self.turn % len(others)])
+        pair = [lengths[-1], lengths[-2] if len(lengths) > 1 else lengths[0]]
+        plan = pair * PAIRS_PER_ROUND + [others[self.turn % len(others)]]
         self.turn += 1
         lo, hi = self.config.token_range
         for n in plan:
