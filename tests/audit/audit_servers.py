@@ -43,7 +43,14 @@ def free_port() -> int:
         return port
 
 
-def start(tmp: Path, name: str, *, pages: str, faults: tuple[str, ...] = ()) -> Server:
+def start(
+    tmp: Path,
+    name: str,
+    *,
+    pages: str,
+    faults: tuple[str, ...] = (),
+    extra: tuple[str, ...] = (),
+) -> Server:
     tenants = tmp / "tenants.json"
     tenants.write_text(
         json.dumps(
@@ -72,6 +79,7 @@ def start(tmp: Path, name: str, *, pages: str, faults: tuple[str, ...] = ()) -> 
     ]
     for f in faults:
         cmd += ["--lab-fault", f]
+    cmd += list(extra)
     log = tmp / f"{name}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

@@ -240,3 +240,47 @@ def test_serve_disaggregated_command(pd_checkpoint: Path) -> None:
         ).returncode
         == 1
     )
+
+
+def test_serve_disaggregated_no_auth(pd_checkpoint: Path) -> None:
+    """`--disaggregated --no-auth` starts (the keyless dev tenant reaches the router as
+    `--no-auth`, not as a tenants file it would refuse) and serves a request with no key."""
+    args = ["--disaggregated", "--no-auth", "--port", "0", "--model", str(pd_checkpoint)]
+    args += ["--model-kind", "mirror", "--kv-pages", "512"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvfence", "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        end = time.monotonic() + 240
+        while time.monotonic() < end and not (lines and lines[-1].startswith("try: curl")):
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+        text = "".join(lines)
+        url = re.search(r"at (http://\S+)", text)
+        assert url is not None and "auth: none (dev mode" in text, text
+        body = {"prompt": "hello dev", "max_tokens": 8, "temperature": 0}
+        r = httpx.post(f"{url.group(1)}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("hello dev")
+        info = httpx.get(f"{url.group(1)}/server_info", timeout=30).json()
+        assert info["auth"] == "none" and info["disaggregated"] is True
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "stopping" in out, out
+
+
+def test_no_auth_stays_loopback_only_when_disaggregated() -> None:
+    from click.testing import CliRunner
+
+    from kvfence.cli import main
+
+    args = ["serve", "--disaggregated", "--no-auth", "--host", "0.0.0.0"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "only allowed on a loopback host" in result.output

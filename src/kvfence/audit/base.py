@@ -47,21 +47,36 @@ JSONValue = Any  # a value json.dumps accepts (dict/list/str/int/float/bool/None
 
 
 class Verdict(StrEnum):
-    """A check's outcome. Only PASS is good; INCONCLUSIVE blocks a deploy by default."""
+    """A check's outcome. INCONCLUSIVE blocks a deploy by default.
+
+    NOT_APPLICABLE: the engine itself states a fact under which the check's
+    question cannot arise (no prefix cache, not disaggregated; see
+    `audit.premises`) and nothing was left to measure. It is decisive — a
+    deploy gate passes on it — but it is not PASS: a reader sees that a stated
+    fact, not a measurement, decided. An unknown fact never gives it.
+    """
 
     PASS = "pass"
     FAIL = "fail"
     INCONCLUSIVE = "inconclusive"
     SKIPPED = "skipped"
+    NOT_APPLICABLE = "not_applicable"
 
     @property
     def severity(self) -> int:
-        """Order for combining verdicts: fail > inconclusive > pass > skipped."""
-        return {"skipped": 0, "pass": 1, "inconclusive": 2, "fail": 3}[self.value]
+        """Order for combining: fail > inconclusive > pass > not_applicable > skipped."""
+        return {"skipped": 0, "not_applicable": 1, "pass": 2, "inconclusive": 3, "fail": 4}[
+            self.value
+        ]
+
+    @property
+    def decisive_ok(self) -> bool:
+        """A verdict a deploy pipeline passes on (measured, or decided by a stated premise)."""
+        return self in (Verdict.PASS, Verdict.NOT_APPLICABLE)
 
 
 def worst(verdicts: list[Verdict]) -> Verdict:
-    """The combined verdict of several (fail beats inconclusive beats pass); empty → SKIPPED."""
+    """The combined verdict of several (fail > inconclusive > pass > not_applicable); empty → SKIPPED."""
     return max(verdicts, key=lambda v: v.severity, default=Verdict.SKIPPED)
 
 

@@ -3,7 +3,10 @@
 `snapshot` runs first in the runbook; `CountersCheck` runs last and compares.
 kvfence: isolation violations (I1), transfer mismatches (I3), transfer
 failures; SGLang PD: transfer and bootstrap failures when exported. An
-engine without such counters gets SKIPPED (nothing to compare), not PASS.
+engine without such counters gets SKIPPED (nothing to compare), not PASS —
+unless it states it is not disaggregated (`premises.disaggregation`): then
+no KV transfer exists to fail and the verdict is NOT_APPLICABLE, naming the
+fact. Counters an engine does export are compared whatever it states.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvfence.audit.base import AuditContext, Check, CheckResult, Fact, Verdict
+from kvfence.audit.premises import disaggregation
 from kvfence.audit.targets.base import Target
 
 INFORMATIONAL = "(informational)"
@@ -38,11 +42,7 @@ class CountersCheck(Check):
             )
         watched = [k for k, f in before.items() if INFORMATIONAL not in f.note]
         if not watched and not after:
-            return self.result(
-                target,
-                Verdict.SKIPPED,
-                f"{target.engine} exports no isolation or transfer failure counters",
-            )
+            return self._nothing_to_compare(ctx, target)
         rows: list[dict[str, Any]] = []
         moved, unreadable = [], []
         for name in sorted(
@@ -88,3 +88,16 @@ class CountersCheck(Check):
             + ", ".join(f"{r['counter']}={r['after']}" for r in rows),
             evidence,
         )
+
+    def _nothing_to_compare(self, ctx: AuditContext, target: Target) -> CheckResult:
+        """No counters: not applicable where the engine states it moves no KV, else skipped."""
+        none = f"{target.engine} exports no isolation or transfer failure counters"
+        premise = disaggregation(target.facts(ctx.client(target, "a")))
+        if premise.absent:
+            return self.result(
+                target,
+                Verdict.NOT_APPLICABLE,
+                premise.decided(f"no KV transfer can fail or mismatch; {none}"),
+                {"premises": [premise.to_json()]},
+            )
+        return self.result(target, Verdict.SKIPPED, none, {"premises": [premise.to_json()]})

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvfence.audit import premises
 from kvfence.audit.alpha import sequential_design_for
 from kvfence.audit.base import (
     AuditContext,
@@ -225,18 +226,11 @@ class PrefixSharingCheck(Check):
             return self.result(target, Verdict.INCONCLUSIVE, how, {"facts": facts.to_json()})
         rng = random.Random(ctx.rng.random())
         probe = _Probe(cfg, rng, client_a, client_b, prefix_len)
-        salt_ok = facts.cache_salt_supported.value is True
-        runs: list[tuple[str, str | None, str | None]] = []
-        if cfg.salt != "only":
-            runs.append(("unsalted", None, None))
-        if cfg.salt == "only" or (cfg.salt == "auto" and salt_ok):
-            tag = f"{rng.getrandbits(48):012x}"
-            runs.append(("salted", f"kvfence-audit-a-{tag}", f"kvfence-audit-b-{tag}"))
-        if (
-            not self.own_alpha
-        ):  # the audit's share, split over the runs, in a design that reaches it
-            design = sequential_design_for(cfg.design, ctx.alpha_for(self.name) / len(runs))
-            cfg = replace(cfg, design=design)
+        cache, salt = premises.prefix_cache(facts), premises.salt_support(facts)
+        runs, not_run = premises.prefix_runs(cfg.salt, cache, salt, rng)
+        if not self.own_alpha:  # the audit's share, split over the runs, in a design reaching it
+            share = ctx.alpha_for(self.name) / max(1, len(runs))
+            cfg = replace(cfg, design=sequential_design_for(cfg.design, share))
         evidence: dict[str, JSONValue] = {
             "prefix_tokens": prefix_len,
             "prefix_length_from": how,
@@ -248,6 +242,8 @@ class PrefixSharingCheck(Check):
                 "error_control": "Bonferroni split of alpha over the planned looks",
             },
             "cache_salt_supported": facts.cache_salt_supported.to_json(),
+            "premises": [cache.to_json(), salt.to_json()],
+            "not_run": dict(not_run),
         }
         verdicts: list[Verdict] = []
         summaries: list[str] = []
@@ -257,24 +253,33 @@ class PrefixSharingCheck(Check):
             arms, seq = run_arms(probe, cfg, salt_a, salt_b, _progress(ctx, label))
             v, s, ev = judge(arms, seq, cfg)
             if label == "salted" and v is Verdict.PASS:
-                v, s, control = self._salt_control(probe, arms, salt_a, cfg)
+                v, s, control = self._salt_control(probe, arms, salt_a, cfg, cache)
                 ev["same_salt_control"] = control
+            if v is Verdict.FAIL and cache.absent:
+                s = f"the engine states it has no prefix cache ({cache.stated()}), yet {s}"
+                evidence["premise_contradicted"] = cache.to_json()
             ev["verdict"] = v.value
             evidence[label] = ev
             verdicts.append(v)
             summaries.append(f"{label}: {s}")
             plots.append(_hist(label, arms))
+        summaries += [f"{label}: not run — {why}" for label, why in not_run.items()]
         verdict = worst(verdicts)
         ran = [evidence[k] for k in ("unsalted", "salted") if k in evidence]
         evidence["requests"] = sum(int(e["requests"]) for e in ran)
         out = self.result(target, verdict, "; ".join(summaries), evidence, plots)
         adjusted = [e["ks"]["adjusted_p_value"] for e in ran if "ks" in e]  # x looks
         out.p_value = min(1.0, min(adjusted) * len(runs)) if adjusted else None
-        out.alpha = cfg.design.alpha * len(runs)
+        out.alpha = cfg.design.alpha * max(1, len(runs))
         return out
 
     def _salt_control(
-        self, probe: _Probe, arms: Arms, salt_a: str | None, cfg: PrefixSharingConfig
+        self,
+        probe: _Probe,
+        arms: Arms,
+        salt_a: str | None,
+        cfg: PrefixSharingConfig,
+        cache: premises.Premise,
     ) -> tuple[Verdict, str, dict[str, JSONValue]]:
         """Same tenant, same salt must hit, else the salted pass proves nothing."""
         own = Arms()
@@ -303,6 +308,15 @@ class PrefixSharingCheck(Check):
                 Verdict.PASS,
                 f"different salts isolate (no leak in {arms.requests} requests) and the same "
                 f"salt hits ({own.requests} control requests)",
+                info,
+            )
+        if cache.absent:
+            # The control cannot hit without a cache: its miss is the stated fact, confirmed.
+            return (
+                Verdict.PASS,
+                f"no leak across salts in {arms.requests} requests; the same salt never hit "
+                f"either, as stated: "
+                + cache.decided("there is no cached prefix for a salt to isolate"),
                 info,
             )
         return (

@@ -3,7 +3,7 @@
 JSON schema "kvfence.audit/1" (additive changes only; a breaking change
 bumps the number):
   schema, tool{name, version}, started_at, duration_s, verdict, exit_code,
-  counts{pass, fail, inconclusive, skipped}, requests_sent, settings{...},
+  counts{pass, fail, inconclusive, skipped, not_applicable}, requests_sent, settings{...},
   checks[...], targets[{url, engine, detected_by, facts, error, requests_sent}],
   results[{check, target, verdict, summary, evidence, requests_sent,
            duration_s, p_value, alpha (statistical checks; else null),
@@ -34,12 +34,14 @@ COLOURS = {
     "fail": "#cf222e",
     "inconclusive": "#bf8700",
     "skipped": "#6e7781",
+    "not_applicable": "#0969da",
 }
 RICH_STYLES = {
     "pass": "bold green",
     "fail": "bold red",
     "inconclusive": "bold yellow",
     "skipped": "dim",
+    "not_applicable": "bold blue",
 }
 
 
@@ -73,7 +75,10 @@ def write_json(run: AuditRun, path: str, fail_on_inconclusive: bool = True) -> N
 
 
 def to_junit(run: AuditRun) -> ET.Element:
-    """One <testsuite> per target, one <testcase> per check; fail → <failure>, inconclusive → <error>."""
+    """One <testsuite> per target, one <testcase> per check; fail → <failure>, inconclusive → <error>.
+
+    not_applicable is a passing case (a deploy gate passes on it); its system-out names it.
+    """
     suites = ET.Element("testsuites", name="kvfence audit")
     engines = {t.url: t.engine or "unknown" for t in run.targets}
     totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
@@ -374,7 +379,7 @@ body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;margin:24px;colo
 h1{font-size:22px;margin:0 0 4px} h2{font-size:18px;margin:28px 0 8px} h3{font-size:15px;margin:16px 0 6px}
 table{border-collapse:collapse;width:100%;margin:8px 0} td,th{border:1px solid #d0d7de;padding:4px 8px;text-align:left;vertical-align:top}
 th{background:#f6f8fa} .v{font-weight:700;text-transform:uppercase;color:#fff;padding:2px 8px;border-radius:10px;font-size:12px}
-.v-pass{background:#1a7f37}.v-fail{background:#cf222e}.v-inconclusive{background:#bf8700}.v-skipped{background:#6e7781}
+.v-pass{background:#1a7f37}.v-fail{background:#cf222e}.v-inconclusive{background:#bf8700}.v-skipped{background:#6e7781}.v-not_applicable{background:#0969da}
 details{margin:4px 0} pre{background:#f6f8fa;padding:8px;overflow:auto;max-height:360px;font-size:12px}
 figure{display:inline-block;margin:8px 16px 8px 0;border:1px solid #d0d7de;padding:6px;border-radius:6px}
 figcaption{font-weight:600;margin-bottom:4px} .note{color:#57606a;font-size:12px;margin:4px 0 0}

@@ -119,13 +119,13 @@ class AuditRun:
         return worst([r.verdict for r in self.results])
 
     def exit_code(self, fail_on_inconclusive: bool = True) -> int:
-        """0 all passed (or skipped), 1 any fail, 2 inconclusive (when it blocks)."""
+        """0 all passed (or not applicable, or skipped), 1 any fail, 2 inconclusive (when it blocks)."""
         v = self.verdict
         if v is Verdict.FAIL:
             return 1
         if v is Verdict.INCONCLUSIVE:
             return 2 if fail_on_inconclusive else 0
-        if not any(r.verdict is Verdict.PASS for r in self.results):
+        if not any(r.verdict.decisive_ok for r in self.results):
             return 2 if fail_on_inconclusive else 0  # nothing was actually verified
         return 0
 

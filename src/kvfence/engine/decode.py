@@ -28,7 +28,6 @@ from kvfence.engine.inbound import InboundWindow, PoolInbound
 from kvfence.engine.messages import (
     Bootstrap,
     BootstrapReady,
-    ErrorInfo,
     Failure,
     PageRef,
     TokenChunk,
@@ -49,11 +48,6 @@ from kvfence.faults import Fault, FaultSet
 from kvfence.kv.pool import FREE_OWNER, KVPool, PageHandle
 from kvfence.model.base import CausalLM
 from kvfence.model.batching import RowSpec
-
-
-def _info(error: RequestError) -> ErrorInfo:
-    return ErrorInfo(error.status, error.type, error.message, error.param, error.code)
-
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +113,7 @@ class DecodeEngine:
         if boot.room in self.seqs or boot.room in self.local_inbound.open:
             error = RequestError(409, "conflict", f"room {boot.room} is already in use (I9)")
             self.counters.rejected += 1
-            return Failure(boot.room, _info(error))
+            return Failure(boot.room, error.info())
         if boot.num_prompt_tokens < 1 or boot.max_tokens < 1:
             error = RequestError(
                 400,
@@ -128,7 +122,7 @@ class DecodeEngine:
                 f"{boot.num_prompt_tokens} and {boot.max_tokens}",
             )
             self.counters.rejected += 1
-            return Failure(boot.room, _info(error))
+            return Failure(boot.room, error.info())
         cap = self.pool.capacity_tokens
         if boot.num_prompt_tokens > cap:
             error = RequestError(
@@ -140,7 +134,7 @@ class DecodeEngine:
                 code="context_length_exceeded",
             )
             self.counters.rejected += 1
-            return Failure(boot.room, _info(error))
+            return Failure(boot.room, error.info())
         req = Request(boot.room, boot.tenant, (0,) * boot.num_prompt_tokens, boot.max_tokens)
         seq = _Seq(req, boot, self.pool.register_owner(f"decode:{boot.tenant}:{boot.room}"))
         self.seqs[boot.room] = seq
@@ -336,7 +330,7 @@ class DecodeEngine:
     def _end_failed(self, seq: _Seq, error: RequestError) -> None:
         seq.req.fail(error)
         self.counters.failed += 1
-        self._out.events.append(Failure(seq.req.rid, _info(error)))
+        self._out.events.append(Failure(seq.req.rid, error.info()))
         self._close(seq)
 
     def _close(self, seq: _Seq) -> None:

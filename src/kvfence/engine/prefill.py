@@ -19,19 +19,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.counters import Counters
-from kvfence.engine.messages import (
-    Abort,
-    ErrorInfo,
-    Failure,
-    PrefillWork,
-    TransferDone,
-)
+from kvfence.engine.messages import Abort, Failure, PrefillWork, TransferDone
 from kvfence.engine.outbound import OutboundTransfer
-from kvfence.engine.prefix_cache import PrefixCache, PrefixHit
+from kvfence.engine.prefill_pages import allocate, cache_full_pages
+from kvfence.engine.prefill_seq import PrefillOutput, PrefillSeq
+from kvfence.engine.prefix_cache import PrefixCache
 from kvfence.engine.request import Request, RequestError, RequestState
 from kvfence.engine.runner import Forwarded, ModelRunner, release_current
 from kvfence.engine.sampling import Sampler, SampleRow, TokenLogprobs
@@ -41,43 +36,6 @@ from kvfence.model.base import CausalLM
 from kvfence.model.batching import RowSpec
 
 log = logging.getLogger(__name__)
-
-
-def error_info(error: RequestError) -> ErrorInfo:
-    return ErrorInfo(error.status, error.type, error.message, error.param, error.code)
-
-
-@dataclass(slots=True)
-class PrefillOutput:
-    """What prefill produced since the last `drain()`, by destination."""
-
-    to_router: list[Failure] = field(default_factory=list)
-    to_decode: list[Abort | TransferDone] = field(default_factory=list)
-    transfers: list[OutboundTransfer] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.to_router or self.to_decode or self.transfers)
-
-
-@dataclass(slots=True, eq=False)
-class _Seq:
-    req: Request
-    work: PrefillWork
-    owner: int  # this request's own pool owner id
-    namespace: str  # resolved prefix-cache namespace (I8)
-    ns_owner: int  # pool owner id of that namespace
-    input_ids: tuple[int, ...]  # what is computed: the prompt (or the lab's placeholder)
-    pages: list[PageHandle] = field(default_factory=list)  # covers input_ids, in order
-    own_pages: list[PageHandle] = field(default_factory=list)  # released by this request
-    cache_keys: list[int] = field(default_factory=list)  # cache references held
-    parent_key: int | None = None  # chain key of the last full page computed
-    computed: int = 0
-    cached_tokens: int = 0
-    started_s: float | None = None  # perf_counter at its first forward step (prefill time)
-
-    @property
-    def remaining(self) -> int:
-        return len(self.input_ids) - self.computed
 
 
 class PrefillEngine:
@@ -103,10 +61,12 @@ class PrefillEngine:
             shared_namespace=config.shared_prefix_namespace,
             enabled=config.prefix_cache,
         )
-        self.waiting: deque[_Seq] = deque()
-        self.running: list[_Seq] = []  # PREFILLING, holding pages
-        self.sending: dict[str, _Seq] = {}  # handed to the transport, pages held until confirmed
-        self.seqs: dict[str, _Seq] = {}
+        self.waiting: deque[PrefillSeq] = deque()
+        self.running: list[PrefillSeq] = []  # PREFILLING, holding pages
+        self.sending: dict[
+            str, PrefillSeq
+        ] = {}  # handed to the transport, pages held until confirmed
+        self.seqs: dict[str, PrefillSeq] = {}
         self.counters = Counters()
         self._out = PrefillOutput()
 
@@ -119,7 +79,7 @@ class PrefillEngine:
             return
         req = Request(work.room, work.tenant, work.prompt_ids, work.sampling.max_tokens)
         namespace = self.cache.resolve(work.cache_namespace)
-        seq = _Seq(
+        seq = PrefillSeq(
             req=req,
             work=work,
             owner=self.pool.register_owner(f"prefill:{work.tenant}:{work.room}"),
@@ -197,10 +157,10 @@ class PrefillEngine:
             for i, token, lps in zip(done, result.tokens, result.logprobs, strict=True):
                 self._send(plan[i][0], token, lps or ())
 
-    def _schedule_running(self) -> list[tuple[_Seq, int]]:
+    def _schedule_running(self) -> list[tuple[PrefillSeq, int]]:
         """The next chunk of every running prompt, oldest first, while the budget lasts."""
         budget = self.config.max_batch_tokens
-        plan: list[tuple[_Seq, int]] = []
+        plan: list[tuple[PrefillSeq, int]] = []
         # Fairness: a prompt from a tenant with nothing in prefill goes first, alone, for one
         # step, so a short prompt never waits behind another tenant's long chunks; each such
         # arrival delays the running chunks by one step at most (no starvation).
@@ -214,15 +174,15 @@ class PrefillEngine:
             budget -= n
         return plan
 
-    def _admit(self, budget: int) -> list[tuple[_Seq, int]]:
+    def _admit(self, budget: int) -> list[tuple[PrefillSeq, int]]:
         """Waiting prompts, in order, that get all their pages now; the first that cannot waits."""
-        plan: list[tuple[_Seq, int]] = []
+        plan: list[tuple[PrefillSeq, int]] = []
         while budget > 0 and self.waiting:
             seq = self.waiting[0]
             if not self._admissible(seq) or not self._check_capacity(seq):
                 self.waiting.popleft()  # aborted while queued, or rejected: nothing allocated
                 continue
-            if not self._allocate(seq):
+            if not allocate(self.pool, self.cache, seq):
                 break  # clean queuing: wait for pages, never a partial allocation
             self.waiting.popleft()
             seq.req.advance(RequestState.PREFILLING)
@@ -232,12 +192,12 @@ class PrefillEngine:
             budget -= n
         return plan
 
-    def _admissible(self, seq: _Seq) -> bool:
+    def _admissible(self, seq: PrefillSeq) -> bool:
         if Fault.ABORT_NOT_TERMINAL in self.faults:
             return not seq.req.legacy_finished()  # SGLang #30233: blind to to_finish
         return seq.req.state is RequestState.WAITING  # I2: allow-list, never `not finished()`
 
-    def _check_capacity(self, seq: _Seq) -> bool:
+    def _check_capacity(self, seq: PrefillSeq) -> bool:
         """A prompt that can never fit this pool ends here, before allocation or transfer (I2)."""
         n, cap = len(seq.input_ids), self.pool.capacity_tokens
         if n <= cap:
@@ -257,43 +217,13 @@ class PrefillEngine:
             return True
         seq.req.reject(error)
         self.counters.rejected += 1
-        self._out.to_router.append(Failure(seq.req.rid, error_info(error)))
+        self._out.to_router.append(Failure(seq.req.rid, error.info()))
         self._out.to_decode.append(Abort(seq.req.rid, f"rejected by prefill: {error.message}"))
         self._out.to_decode.append(TransferDone(seq.req.rid, ok=False))
         self._release(seq)
         return False
 
-    def _allocate(self, seq: _Seq) -> bool:
-        """All pages the prompt needs beyond its cache hit, or none (and False)."""
-        ps = self.pool.page_size
-        n_tokens = len(seq.input_ids)
-        hit = self.cache.match(seq.namespace, seq.input_ids)
-        n_total = -(-n_tokens // ps)
-        n_full = n_tokens // ps
-        n_need = n_total - len(hit.handles)
-        short = n_need - self.pool.num_free
-        if short > 0:
-            self.cache.evict(short)
-        if not self.pool.can_allocate(n_need):
-            self.cache.release(hit.keys)
-            return False
-        # Full pages may later enter the namespace's cache, so the namespace owns them.
-        full_owner = seq.ns_owner if self.cache.enabled else seq.owner
-        full = self.pool.allocate(full_owner, n_full - len(hit.handles))
-        tail = self.pool.allocate(seq.owner, n_total - n_full)
-        self._use_hit(seq, hit, n_tokens)
-        seq.pages.extend(full + tail)
-        seq.own_pages = full + tail
-        return True
-
-    def _use_hit(self, seq: _Seq, hit: PrefixHit, n_tokens: int) -> None:
-        self.cache.record(n_tokens, hit)
-        seq.pages = list(hit.handles)
-        seq.cache_keys = list(hit.keys)
-        seq.parent_key = hit.keys[-1] if hit.keys else None
-        seq.computed = seq.cached_tokens = hit.num_tokens
-
-    def _rows(self, plan: list[tuple[_Seq, int]]) -> list[RowSpec]:
+    def _rows(self, plan: list[tuple[PrefillSeq, int]]) -> list[RowSpec]:
         ps = self.pool.page_size
         rows = []
         for seq, n in plan:
@@ -310,38 +240,27 @@ class PrefillEngine:
             )
         return rows
 
-    def _drop_refused(self, plan: list[tuple[_Seq, int]], out: Forwarded) -> list[tuple[_Seq, int]]:
+    def _drop_refused(
+        self, plan: list[tuple[PrefillSeq, int]], out: Forwarded
+    ) -> list[tuple[PrefillSeq, int]]:
         """Fail the rows whose page tables the ledger refused (I1); the rest ran."""
         for i in out.refused:
             self._fail(plan[i][0], str(out.violation))
         return [plan[i] for i in out.kept]
 
-    def _advance(self, plan: list[tuple[_Seq, int]]) -> list[int]:
+    def _advance(self, plan: list[tuple[PrefillSeq, int]]) -> list[int]:
         """Record what the step computed; the indices (into `plan`) of prompts now complete."""
         done = []
         for i, (seq, n) in enumerate(plan):
             start = seq.computed
             seq.computed += n
             self.counters.computed_tokens += n
-            self._cache_full_pages(seq, start, seq.computed)
+            cache_full_pages(self.cache, self.pool.page_size, seq, start, seq.computed)
             if seq.remaining == 0:
                 done.append(i)
         return done
 
-    def _cache_full_pages(self, seq: _Seq, start: int, end: int) -> None:
-        """Offer pages this step completed to the cache: only now has the forward written them (I8)."""
-        ps = self.pool.page_size
-        for i in range(start // ps, end // ps):
-            page = seq.pages[i]
-            key, adopted = self.cache.insert(
-                seq.namespace, seq.parent_key, seq.input_ids[i * ps : (i + 1) * ps], page
-            )
-            seq.parent_key = key
-            if adopted:
-                seq.cache_keys.append(key)
-                seq.own_pages.remove(page)
-
-    def _send(self, seq: _Seq, token: int, logprobs: TokenLogprobs) -> None:
+    def _send(self, seq: PrefillSeq, token: int, logprobs: TokenLogprobs) -> None:
         self.running.remove(seq)
         seq.req.advance(RequestState.TRANSFERRING)
         self.sending[seq.req.rid] = seq
@@ -359,18 +278,18 @@ class PrefillEngine:
             )
         )
 
-    def _fail(self, seq: _Seq, violation: str) -> None:
+    def _fail(self, seq: PrefillSeq, violation: str) -> None:
         self.counters.isolation_violations += 1
         self.counters.failed += 1
         error = RequestError(500, "isolation_violation", violation)
         seq.req.fail(error)
         self.running.remove(seq)
         self._release(seq)
-        self._out.to_router.append(Failure(seq.req.rid, error_info(error)))
+        self._out.to_router.append(Failure(seq.req.rid, error.info()))
         self._out.to_decode.append(Abort(seq.req.rid, "prefill failed"))
         self._out.to_decode.append(TransferDone(seq.req.rid, ok=False))
 
-    def _release(self, seq: _Seq) -> None:
+    def _release(self, seq: PrefillSeq) -> None:
         release_current(self.pool, seq.own_pages)
         self.cache.release(seq.cache_keys)
         seq.own_pages, seq.cache_keys, seq.pages = [], [], []

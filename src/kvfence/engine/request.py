@@ -12,6 +12,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvfence.engine.messages import ErrorInfo
+
 
 class RequestState(enum.Enum):
     WAITING = "waiting"
@@ -71,6 +73,10 @@ class RequestError:
     def __post_init__(self) -> None:
         if not 400 <= self.status <= 599:
             raise ValueError(f"an error status must be 4xx or 5xx, got {self.status}")
+
+    def info(self) -> ErrorInfo:
+        """The same error as the wire message that carries it to the router."""
+        return ErrorInfo(self.status, self.type, self.message, self.param, self.code)
 
 
 @dataclass(slots=True)

@@ -123,7 +123,8 @@ def run_once(guards: list[TargetGuard]) -> int:
         out = g.cycle()
         report(g.url, out)
         verdicts.append(verdict_of(out))
-    return {Verdict.PASS: 0, Verdict.FAIL: 1}.get(worst(verdicts), 2)
+    verdict = worst(verdicts)
+    return 0 if verdict.decisive_ok else 1 if verdict is Verdict.FAIL else 2
 
 
 def run_forever(guards: list[TargetGuard], interval: float) -> None:

@@ -10,7 +10,7 @@ be shorter than the slot's `n_ctx`; a too-large max_tokens is cut silently.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kvfence.audit.base import Fact
 from kvfence.audit.client import ProbeClient
@@ -74,8 +74,9 @@ class LlamacppTarget(Target):
         facts.page_size = Fact.unknown(
             "llama-server", "no paged KV over HTTP (contiguous per slot)"
         )
-        facts.prefix_caching = Fact(
-            True, "llama-server default (cache_prompt)", "slot prompt reuse is on by default"
+        facts.prefix_caching = prompt_cache_fact(dgs if isinstance(dgs, dict) else None)
+        facts.extra["disaggregated"] = Fact(
+            False, "llama-server", "one process holds every slot's KV: no prefill/decode split"
         )
         facts.cache_salt_supported = Fact(
             False, "llama-server", "cache_salt is accepted and silently ignored (PEERS.md)"
@@ -87,3 +88,27 @@ class LlamacppTarget(Target):
             if found:
                 facts.counters[name] = Fact(sum(s.value for s in found), f"GET /metrics {name}")
         return facts
+
+
+def prompt_cache_fact(dgs: dict[str, Any] | None) -> Fact:
+    """Whether one request can reuse another's KV: always yes on llama-server.
+
+    `cache_prompt` in /props is only the server's *default* (`--no-cache-prompt`
+    turns it off): each request's own `cache_prompt` field overrides it, and the
+    requester decides whether its prompt reuses the slot's KV left by the last
+    request. Any tenant can turn reuse back on, so a false default is never a
+    "no prefix cache" premise.
+    """
+    params = (dgs or {}).get("params")
+    default = params.get("cache_prompt") if isinstance(params, dict) else None
+    src = "GET /props default_generation_settings.params.cache_prompt"
+    if default is False:
+        return Fact(
+            True,
+            src,
+            "server default off (--no-cache-prompt), but every request may set cache_prompt: "
+            "true and reuse the slot's KV: not a premise",
+        )
+    if default is True:
+        return Fact(True, src, "slot prompt reuse on by default; a request can also ask for it")
+    return Fact(True, "llama-server (cache_prompt)", "a request may ask for slot prompt reuse")

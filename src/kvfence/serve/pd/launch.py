@@ -107,10 +107,14 @@ def disaggregated_children(
     n_decode: int,
     host: str,
     port: int,
-    tenants_file: Path,
+    tenants_file: Path | None,
     router_args: Sequence[str] = (),
 ) -> list[ChildSpec]:
-    """The argv of every role on loopback: workers first, the router last."""
+    """The argv of every role on loopback: workers first, the router last.
+
+    `tenants_file` None is the dev mode: the router gets `--no-auth` and checks the
+    loopback rule itself (a keyless registry has no file form, so none is written).
+    """
     if n_prefill < 1 or n_decode < 1:
         raise ValueError("--prefill and --decode need at least one worker each")
     loop = "tcp://127.0.0.1"
@@ -134,6 +138,7 @@ def disaggregated_children(
     peers = [x for a in prefill for x in ("--prefill-addr", a)] + [
         x for a in decode for x in ("--decode-addr", a)
     ]
+    auth = ("--no-auth",) if tenants_file is None else ("--tenants", str(tenants_file))
     children.append(
         ChildSpec(
             "router",
@@ -148,8 +153,7 @@ def disaggregated_children(
                 host,
                 "--port",
                 str(port),
-                "--tenants",
-                str(tenants_file),
+                *auth,
                 *router_args,
             ),
         )
@@ -169,9 +173,11 @@ def run_disaggregated(
 ) -> int:
     """Supervise every role; Ctrl-C or any role's exit stops them all."""
     with tempfile.TemporaryDirectory(prefix="kvfence-pd-") as tmp:
-        tenants_file = Path(tmp) / "tenants.json"
-        tenants_file.touch(mode=0o600)
-        tenants_file.write_text(tenants.to_json())
+        tenants_file: Path | None = None
+        if tenants.auth != "none":
+            tenants_file = Path(tmp) / "tenants.json"
+            tenants_file.touch(mode=0o600)
+            tenants_file.write_text(tenants.to_json())
         children = disaggregated_children(
             role_args,
             n_prefill=n_prefill,
