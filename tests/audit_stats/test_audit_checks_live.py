@@ -240,6 +240,30 @@ def test_prefill_latency_fails_on_the_incident_reject_path(incident: Server) -> 
     assert any(flags)
 
 
+def test_audit_alpha_sizes_the_sweep_and_is_reported(incident: Server, tmp_path: Path) -> None:
+    """`kvfence audit --alpha 1e-6 --checks latency`: the one statistical check gets the whole
+    alpha, its sweep grows until a total skip can reach it, and the JSON says so."""
+    from click.testing import CliRunner
+
+    from kvfence.audit.cli import audit
+
+    out = tmp_path / "audit.json"
+    args = ["--target", incident.url, "--key-a", KEY_A, "--key-b", KEY_B]
+    args += ["--operator-key", KEY_OP, "--checks", "latency", "--alpha", "1e-6"]
+    args += ["--quiet", "--json", str(out)]
+    r = CliRunner().invoke(audit, args)
+    assert r.exit_code == 1, r.output
+    report = json.loads(out.read_text())
+    (res,) = report["results"]
+    assert res["verdict"] == "fail" and res["alpha"] == 1e-6 and res["p_value"] < 1e-6
+    assert res["evidence"]["sweep"]["repeats"] == LatencyConfig().repeats_for(1e-6) > 8
+    assert report["settings"]["alpha"] == 1e-6
+    assert res["requests_sent"] >= 5 * res["evidence"]["sweep"]["repeats"]
+    print(
+        f"\n--alpha 1e-6: latency fail at p = {res['p_value']:.2g}, {res['requests_sent']} requests"
+    )
+
+
 def test_noninterference_does_not_pass_on_the_incident(incident: Server) -> None:
     res = _run(incident, NoninterferenceCheck(NoninterferenceConfig(repeats=8)))
     assert res.verdict is not Verdict.PASS, res.summary

@@ -77,7 +77,7 @@ ALPHA_1S = AlarmBudget(1.0, 1.0).alpha  # the Prometheus test's interval: ~3.9e-
 
 
 def _window(
-    seconds_of: Callable[[int, random.Random], float], seed: int = 0, rounds: int = 20
+    seconds_of: Callable[[int, random.Random], float], seed: int = 0, rounds: int = 40
 ) -> TimingWindow:
     """The rounds the guard sends: longest and neighbour twice, one shorter in rotation."""
     rng = random.Random(seed)
