@@ -71,8 +71,8 @@ class LatencySample:
 class LatencyConfig:
     """Thresholds of the analysis and the live sweep's shape.
 
-    ``tolerance_sigmas`` (k) and ``skipped_fraction`` (f) define "fast" (module
-    docstring). ``alpha``: the test's level; None takes the audit's share of
+    ``skipped_fraction`` (f) places the "fast" floor and ``tolerance_sigmas``
+    (k) the measurability bar (module docstring). ``alpha``: the test's level; None takes the audit's share of
     its family-wise ``--alpha`` (`AuditContext.alpha_for`). ``repeats``: probes
     per length; None sizes them so the design reaches alpha with ``slack``
     probes to spare (`repeats_for`). ``lengths`` overrides the sweep (else
@@ -316,7 +316,6 @@ def _evidence(
     cfg: LatencyConfig,
     alpha: float,
 ) -> dict[str, JSONValue]:
-    long_t = [s.seconds for s in b.long]
     return {
         "samples": len(samples),
         "timing": dict(Counter(s.kind for s in samples)),
@@ -327,23 +326,7 @@ def _evidence(
             "residual_sigma_s": fit.residual_sigma,
             "fitted_on": len(b.reference),
         },
-        "short_bucket": {
-            "tokens": float(np.median([s.prompt_tokens for s in b.short])),
-            "n": len(b.short),
-            "median_s": floor.short_median,
-            "noise_sigma_s": floor.sigma,
-        },
-        "neighbour_bucket": {
-            "tokens": float(np.median([s.prompt_tokens for s in b.neighbour])),
-            "n": len(b.neighbour),
-            "median_s": float(np.median([s.seconds for s in b.neighbour])),
-        },
-        "long_bucket": {
-            "tokens": float(np.median([s.prompt_tokens for s in b.long])),
-            "n": len(b.long),
-            f"p{cfg.long_quantile:g}_s": percentile(long_t, cfg.long_quantile),
-            "median_s": float(np.median(long_t)),
-        },
+        **_buckets_json(b, floor, cfg),
         "predicted_prefill_increment_s": floor.increment,
         "alarm_threshold_s": floor.threshold,
         "test": {
@@ -359,6 +342,32 @@ def _evidence(
             for s in flagged[:50]
         ],
         "flagged_count": len(flagged),
+    }
+
+
+def _buckets_json(b: Buckets, floor: Floor, cfg: LatencyConfig) -> dict[str, JSONValue]:
+    def tokens(bucket: list[LatencySample]) -> float:
+        return float(np.median([s.prompt_tokens for s in bucket]))
+
+    long_t = [s.seconds for s in b.long]
+    return {
+        "short_bucket": {
+            "tokens": tokens(b.short),
+            "n": len(b.short),
+            "median_s": floor.short_median,
+            "noise_sigma_s": floor.sigma,
+        },
+        "neighbour_bucket": {
+            "tokens": tokens(b.neighbour),
+            "n": len(b.neighbour),
+            "median_s": float(np.median([s.seconds for s in b.neighbour])),
+        },
+        "long_bucket": {
+            "tokens": tokens(b.long),
+            "n": len(b.long),
+            f"p{cfg.long_quantile:g}_s": percentile(long_t, cfg.long_quantile),
+            "median_s": float(np.median(long_t)),
+        },
     }
 
 
