@@ -99,7 +99,7 @@ def test_the_budget_sets_each_tests_alpha_by_the_union_bound() -> None:
     # The window is big enough that a total skip reaches the alpha with SLACK probes to spare,
     # and grows with -log alpha.
     rounds = window_rounds(ALPHA_1S)
-    assert rounds >= MIN_ROUNDS and design_p_value(2 * rounds, 2 * rounds, SLACK) < ALPHA_1S
+    assert rounds >= MIN_ROUNDS and 2 * design_p_value(2 * rounds, 2 * rounds, SLACK) < ALPHA_1S
     assert design_p_value(2 * MIN_ROUNDS, 2 * MIN_ROUNDS, SLACK) >= 1e-30
     assert window_rounds(1e-30) > MIN_ROUNDS
 

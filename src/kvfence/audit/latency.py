@@ -87,7 +87,7 @@ class LatencyCheck(Check):
         result = analyse(sweep.samples, cfg)
         evidence = result.evidence
         evidence["sweep"] = {"lengths": lengths, "repeats": repeats, "limit": limit_fact.to_json()}
-        evidence["design_p_value"] = design_p_value(repeats, repeats, cfg.slack)
+        evidence["design_p_value"] = 2 * design_p_value(repeats, repeats, cfg.slack)
         evidence["errors"] = sweep.errors[:5]
         evidence["error_count"] = len(sweep.errors)
         evidence["usage_mismatches"] = sweep.mismatched
