@@ -22,8 +22,9 @@ over-predict the long prompts and page someone for nothing.
    smaller under H0's ordering; the one-sided exact (Fisher) p-value is its
    upper tail (`stats.fast_excess`); p = 2 × the smaller of the two
    (Bonferroni). The median labelling counts only when the long prompts'
-   median skipped at least f of the neighbours' extra cost (material: a
-   kernel shape that makes 512 tokens a little faster than 215 is no leak).
+   median lies below the neighbours' by at least a quarter of their extra
+   cost over a short prompt (material: a kernel shape that makes 512 tokens
+   a little faster than 215 is no leak).
    A skipped prefill (a cross-tenant cache hit, a 1-token placeholder) makes
    every long probe fast and no neighbour.
 4. FAIL when p < alpha *and*
@@ -45,32 +46,27 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 
 from kvfence.audit.base import DEFAULT_ALPHA, JSONValue, Plot, PlotSeries, Verdict
+from kvfence.audit.latency_exact import (
+    Buckets,
+    Floor,
+    LatencySample,
+    Test,
+    TimingKind,
+    buckets,
+    design_p_value,
+    exact_test,
+)
 from kvfence.audit.stats import (
     ExcessTest,
     LinearFit,
-    fast_excess,
-    hypergeom_upper_tail,
     percentile,
     robust_line,
     robust_sigma,
 )
-
-TimingKind = Literal["prefill", "ttft", "e2e"]
-
-
-@dataclass(frozen=True, slots=True)
-class LatencySample:
-    """One timed request: prompt length in tokens and seconds until prefill ended."""
-
-    prompt_tokens: int
-    seconds: float
-    kind: TimingKind = "ttft"
-    source: str = ""  # "line 12", "probe 7": where a flagged point came from
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +74,9 @@ class LatencyConfig:
     """Thresholds of the analysis and the live sweep's shape.
 
     ``skipped_fraction`` (f) places the "fast" floor and ``tolerance_sigmas``
-    (k) the measurability bar (module docstring). ``alpha``: the test's level; None takes the audit's share of
+    (k) the measurability bar, ``material_fraction`` how far below its
+    neighbours the long bucket must be for the median labelling to count
+    (module docstring). ``alpha``: the test's level; None takes the audit's share of
     its family-wise ``--alpha`` (`AuditContext.alpha_for`). ``repeats``: probes
     per length; None sizes them so the design reaches alpha with ``slack``
     probes to spare (`repeats_for`). ``lengths`` overrides the sweep (else
@@ -88,6 +86,7 @@ class LatencyConfig:
 
     tolerance_sigmas: float = 4.0
     skipped_fraction: float = 0.5
+    material_fraction: float = 0.25
     alpha: float | None = None
     long_quantile: float = 5.0
     repeats: int | None = None
@@ -138,18 +137,6 @@ class LatencyConfig:
         return self.max_repeats
 
 
-def design_p_value(n_long: int, n_neighbour: int, slack: int) -> float:
-    """The p-value when a skip is total but ``slack`` probes go the wrong way.
-
-    "Fast" is below the pooled median, so about half of the pooled probes are
-    fast: a total skip puts every long probe below it; ``slack`` long probes
-    slowed past it by load swap places with as many neighbours. A design is
-    big enough for alpha when this is below it.
-    """
-    total = n_long + n_neighbour
-    return hypergeom_upper_tail(max(n_long - slack, 0), total, total // 2, n_long)
-
-
 @dataclass(slots=True)
 class LatencyAnalysis:
     """The outcome of the analysis: verdict, summary, evidence and plot data."""
@@ -162,63 +149,6 @@ class LatencyAnalysis:
     flagged: list[LatencySample] = field(default_factory=list)
     p_value: float | None = None
     alpha: float = DEFAULT_ALPHA
-
-
-@dataclass(frozen=True, slots=True)
-class Buckets:
-    """Short, neighbour and long probes (module docstring), and everything but the long."""
-
-    short: list[LatencySample]
-    neighbour: list[LatencySample]
-    long: list[LatencySample]
-    reference: list[LatencySample]
-
-
-def buckets(samples: Sequence[LatencySample]) -> Buckets:
-    """Split a sweep (few distinct lengths) by exact length: short = the shortest,
-    neighbour = the second longest, long = the longest. A log (many lengths)
-    uses quantiles of length: short = bottom fifth, neighbour = [p60, p85) —
-    a gap below the long bucket, so a skipped prompt just under p90 does not
-    land among the neighbours — long = top decile."""
-    lengths = sorted({s.prompt_tokens for s in samples})
-    if len(lengths) <= 12:
-        lo, mid, hi = lengths[0], lengths[-2] if len(lengths) > 1 else lengths[0], lengths[-1]
-        short = [s for s in samples if s.prompt_tokens == lo]
-        neighbour = [s for s in samples if s.prompt_tokens == mid and mid != hi]
-        long = [s for s in samples if s.prompt_tokens == hi]
-    else:
-        arr = np.array([s.prompt_tokens for s in samples], dtype=float)
-        q20, q60, q85, q90 = (float(np.percentile(arr, q)) for q in (20, 60, 85, 90))
-        short = [s for s in samples if s.prompt_tokens <= q20]
-        neighbour = [s for s in samples if q60 <= s.prompt_tokens < q85]
-        long = [s for s in samples if s.prompt_tokens >= q90]
-    long_ids = {id(s) for s in long}
-    return Buckets(short, neighbour, long, [s for s in samples if id(s) not in long_ids])
-
-
-@dataclass(frozen=True, slots=True)
-class Floor:
-    """Where "fast" starts (the pooled median) and the numbers the verdict weighs."""
-
-    short_median: float
-    sigma: float  # the short bucket's robust spread: the noise
-    upper: float  # q75 of long ∪ neighbour: what the costlier bucket pays
-    split: float  # median of long ∪ neighbour: "fast" is below it
-    skipped_fraction: float
-
-    @property
-    def increment(self) -> float:
-        return self.upper - self.short_median
-
-    @property
-    def cut(self) -> float:
-        """The fixed floor: a fraction f of the costlier buckets' extra cost skipped."""
-        return self.short_median + self.skipped_fraction * self.increment
-
-    def material(self, long_median: float, neighbour_median: float) -> bool:
-        """The long prompts skipped at least a fraction f of the neighbours' extra cost."""
-        extra = neighbour_median - self.short_median
-        return long_median < self.short_median + self.skipped_fraction * extra
 
 
 def _inconclusive(why: str, evidence: dict[str, JSONValue], alpha: float) -> LatencyAnalysis:
@@ -248,47 +178,12 @@ def analyse(
         float(np.median(pooled)),
         cfg.skipped_fraction,
     )
-    test = _test(b, floor)
+    test = exact_test(b, floor, cfg.material_fraction)
     flagged = [s for s in b.long if s.seconds < test.threshold]
     evidence = _evidence(samples, b, fit, floor, test, flagged, cfg, alpha)
     result = _judge(b, fit, floor, test, cfg, alpha, evidence)
     result.plot, result.fit, result.flagged = _plot(samples, fit, flagged), fit, flagged
     return result
-
-
-@dataclass(frozen=True, slots=True)
-class Test:
-    """The two exact tests, Bonferroni-combined; ``excess`` is the decisive one's table."""
-
-    name: str  # "floor" or "median"
-    threshold: float
-    excess: ExcessTest
-    p_value: float  # 2 x the smaller p (the median test counts only when material)
-    tables: dict[str, JSONValue]
-
-    @property
-    def min_p_value(self) -> float:
-        return min(1.0, 2 * self.excess.min_p_value)
-
-
-def _test(b: Buckets, floor: Floor) -> Test:
-    """Label by the fixed floor (sees a partial skip of some long prompts) and by the pooled
-    median (sees a placeholder that costs something of its own); H0 holds for both."""
-
-    def table(c: float) -> ExcessTest:
-        long_fast = sum(s.seconds < c for s in b.long)
-        ref_fast = sum(s.seconds < c for s in b.neighbour)
-        return fast_excess(long_fast, len(b.long), ref_fast, len(b.neighbour))
-
-    by_floor, by_median = table(floor.cut), table(floor.split)
-    material = floor.material(_median(b.long), _median(b.neighbour))
-    tables: dict[str, JSONValue] = {
-        "floor": {**by_floor.to_json(), "threshold_s": floor.cut},
-        "median": {**by_median.to_json(), "threshold_s": floor.split, "material": material},
-    }
-    if material and by_median.p_value < by_floor.p_value:
-        return Test("median", floor.split, by_median, min(1.0, 2 * by_median.p_value), tables)
-    return Test("floor", floor.cut, by_floor, min(1.0, 2 * by_floor.p_value), tables)
 
 
 def _measurable(fit: LinearFit, floor: Floor, cfg: LatencyConfig) -> bool:
@@ -340,10 +235,6 @@ def _judge(
     else:
         verdict, summary = Verdict.PASS, f"long prompts pay their prefill: {counts} ({stat})"
     return LatencyAnalysis(verdict, summary, evidence, p_value=test.p_value, alpha=alpha)
-
-
-def _median(bucket: list[LatencySample]) -> float:
-    return float(np.median([s.seconds for s in bucket]))
 
 
 def _probes_needed(excess: ExcessTest, alpha: float, slack: int) -> str:
@@ -448,3 +339,14 @@ def _plot(samples: Sequence[LatencySample], fit: LinearFit, flagged: list[Latenc
         ],
         note="fit on all but the longest bucket (Theil–Sen); red: long prompts under the floor",
     )
+
+
+__all__ = [
+    "LatencyAnalysis",
+    "LatencyConfig",
+    "LatencySample",
+    "TimingKind",
+    "analyse",
+    "buckets",
+    "design_p_value",
+]
