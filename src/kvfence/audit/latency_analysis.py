@@ -124,7 +124,10 @@ class LatencyConfig:
             top = min(top, self.max_tokens_cap)
         if top <= self.min_tokens:
             return [top]
-        grid = np.geomspace(self.min_tokens, top, self.points)
+        # Geometric up to half the longest, then the longest: the test compares the long
+        # prompts with their neighbour, and a neighbour at half the length pays a large
+        # share of the long prompt's cost, so a skip opens the widest gap it can.
+        grid = np.geomspace(self.min_tokens, max(self.min_tokens, top // 2), self.points - 1)
         return sorted({round(float(v)) for v in grid} | {top})
 
     def repeats_for(self, alpha: float) -> int:
