@@ -169,6 +169,6 @@ def test_designs_grow_until_their_most_extreme_outcome_reaches_alpha() -> None:
         n = d.max_per_arm
         assert d.alpha == alpha and 1 / math.comb(2 * n, n) < d.alpha_per_look
         rep = LatencyConfig().repeats_for(alpha)
-        assert 2 * design_p_value(rep, rep, 2) < alpha <= 2 * design_p_value(rep - 1, rep - 1, 2)
+        assert 2 * design_p_value(rep, rep, 4) < alpha <= 2 * design_p_value(rep - 1, rep - 1, 4)
     assert fisher_repeats_for(1e-3, 8) == 8  # never below the configured repeats
     assert LatencyConfig().repeats_for(1e-9 / 3) > LatencyConfig().repeats_for(1e-3 / 3)

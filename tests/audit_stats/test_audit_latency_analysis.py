@@ -20,9 +20,9 @@ from kvfence.audit.latency import (
 )
 
 LENGTHS = (16, 64, 256, 1024, 2048, 4096)
-# Probes per length: at alpha 1e-3 the exact test needs 14 long and 14 neighbour probes
-# (LatencyConfig().repeats_for(1e-3): a total skip reaches it with 2 probes to spare).
-REPEATS = 14
+# Probes per length: at alpha 1e-3 the exact test needs 19 long and 19 neighbour probes
+# (LatencyConfig().repeats_for(1e-3): a total skip reaches it with 4 probes to spare).
+REPEATS = 19
 
 
 def _sweep(
@@ -65,17 +65,17 @@ def test_long_prompts_answered_at_short_prompt_speed_fail_with_flagged_points() 
 def test_too_few_probes_for_alpha_is_inconclusive_and_says_how_many_would_do() -> None:
     res = analyse(_sweep(2, placeholder_long=True, repeats=5))  # best p = 1/C(10,5) = 4e-3
     assert res.verdict is Verdict.INCONCLUSIVE, res.summary
-    assert "14 long and 14 neighbour probes would" in res.summary
+    assert "19 long and 19 neighbour probes would" in res.summary
     assert LatencyConfig().repeats_for(1e-3) == REPEATS
 
 
 def test_alpha_decides_and_the_verdict_carries_it() -> None:
-    leak = _sweep(5, placeholder_long=True)  # p = 2/C(28,14) = 5e-8
+    leak = _sweep(5, placeholder_long=True)  # p = 2/C(38,19) = 5.7e-11
     assert analyse(leak, LatencyConfig(alpha=1e-3)).verdict is Verdict.FAIL
-    strict = analyse(leak, LatencyConfig(alpha=1e-9))
-    assert strict.verdict is Verdict.INCONCLUSIVE and strict.alpha == 1e-9
+    strict = analyse(leak, LatencyConfig(alpha=1e-12))
+    assert strict.verdict is Verdict.INCONCLUSIVE and strict.alpha == 1e-12
     assert (
-        analyse(_sweep(5, placeholder_long=True, repeats=20), LatencyConfig(alpha=1e-9)).verdict
+        analyse(_sweep(5, placeholder_long=True, repeats=26), LatencyConfig(alpha=1e-12)).verdict
         is Verdict.FAIL
     )
 

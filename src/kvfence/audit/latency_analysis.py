@@ -90,7 +90,7 @@ class LatencyConfig:
     alpha: float | None = None
     long_quantile: float = 5.0
     repeats: int | None = None
-    slack: int = 2
+    slack: int = 4
     max_repeats: int = 64
     points: int = 5
     min_tokens: int = 16
