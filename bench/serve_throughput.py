@@ -37,7 +37,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,6 +128,19 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
+async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
+    """SSE lines, split on newlines only: httpx's aiter_lines also splits on U+2028 and
+    other Unicode separators, which random-weight token text carries inside JSON strings."""
+    buf = ""
+    async for chunk in resp.aiter_text():
+        buf += chunk
+        *lines, buf = buf.split("\n")
+        for line in lines:
+            yield line.rstrip("\r")
+    if buf:
+        yield buf
+
+
 async def one_request(
     client: httpx.AsyncClient,
     url: str,
@@ -155,7 +168,7 @@ async def one_request(
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 return Outcome(0.0, 0.0, 0, f"HTTP {resp.status_code}: {text[:200]}")
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()

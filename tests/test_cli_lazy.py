@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -46,8 +47,25 @@ def test_the_supervisor_and_router_roles_do_not_import_torch() -> None:
         "import sys\n"
         "import kvfence.serve.cli, kvfence.serve.pd.launch\n"
         "print('TORCH', 'torch' in sys.modules)\n"
+        "print('WEB', sorted(m for m in ('fastapi', 'uvicorn', 'kvfence.serve.app')"
+        " if m in sys.modules))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     ).stdout
     assert "TORCH False" in out, out
+    # The supervisor and the workers do not serve HTTP: the web stack is the router's alone.
+    assert "WEB []" in out, out
+
+
+def test_commands_load_with_passive_openmp_waits_unless_the_user_chose(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # libgomp reads the policy once, when torch loads it: it must be set before any
+    # command module is imported, and a policy the user set is theirs.
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    _LAZY_COMMANDS["serve"].load()
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    _LAZY_COMMANDS["serve"].load()
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"

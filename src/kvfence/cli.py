@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -28,12 +29,21 @@ TINY_KV_BYTES = 64 * 1024 * 1024
 TINY_CONTEXT = 4096
 
 
+def quiet_openmp_waits() -> None:
+    """OMP_WAIT_POLICY=PASSIVE unless the user set a policy: libgomp reads it once, when torch
+    loads it. Its default lets idle OpenMP threads spin after every parallel region; on a
+    small shared machine those spinning threads hold the cores the model's next op needs
+    (bench/threads.py, 2 cores, load 5: 1.9x the throughput with 2 threads)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 @dataclass(frozen=True, slots=True)
 class _Lazy:
     target: str  # "module:attribute"
     short_help: str  # shown by `kvfence --help` without importing the module
 
     def load(self) -> click.Command:
+        quiet_openmp_waits()  # before any command module can load torch (and its libgomp)
         module, _, attr = self.target.partition(":")
         command = getattr(importlib.import_module(module), attr)
         assert isinstance(command, click.Command)

@@ -23,6 +23,7 @@ from audit_servers import KEY_A, KEY_B, KEY_OP, LARGE, Server, start, stop, wait
 
 from kvfence.audit import premises
 from kvfence.audit.base import AuditContext, Budget, CheckResult, Fact, Verdict, run_check, worst
+from kvfence.audit.capacity import CapacityCheck
 from kvfence.audit.client import ProbeClient
 from kvfence.audit.counters import CountersCheck
 from kvfence.audit.prefix_sharing import PrefixSharingCheck, PrefixSharingConfig
@@ -150,6 +151,34 @@ def test_llamacpp_cache_prompt_off_is_not_a_premise(
     assert "cache_salt support" in not_run["salted"]  # llama-server ignores cache_salt
     assert premises.disaggregation(facts).absent  # one process holds every slot's KV
     assert _counters(LlamacppTarget(replay.url)).verdict is Verdict.NOT_APPLICABLE
+
+
+def _llamacpp(replay: ReplayServer, slots: int) -> None:
+    props = json.loads((FIXTURES / "llamacpp_props.json").read_text())
+    props["total_slots"] = slots
+    replay.json("/props", props)
+    replay.json("/v1/models", json.loads((FIXTURES / "llamacpp_models.json").read_text()))
+    slot_list = json.loads((FIXTURES / "llamacpp_slots.json").read_text())
+    replay.json("/slots", slot_list[:slots])
+
+
+def _gate(url: str, headroom: float) -> CheckResult:
+    ctx = AuditContext(headroom=headroom)
+    with ctx.open():
+        return run_check(CapacityCheck(), ctx, LlamacppTarget(url))
+
+
+def test_llamacpp_shared_slot_pool_is_a_bound_the_gate_never_passes_on(
+    replay: ReplayServer,
+) -> None:
+    _llamacpp(replay, slots=4)
+    at_one = _gate(replay.url, 1.0)  # n_ctx per slot == context: enough only if not shared
+    assert at_one.verdict is Verdict.INCONCLUSIVE, at_one.summary
+    assert "only a bound" in at_one.summary and "total_slots" in at_one.summary
+    assert _gate(replay.url, 1.25).verdict is Verdict.FAIL  # even the bound is short
+    # One slot owns its whole n_ctx: the same numbers are a fact, and the gate can pass.
+    _llamacpp(replay, slots=1)
+    assert _gate(replay.url, 1.0).verdict is Verdict.PASS
 
 
 def test_unknown_premises_decide_nothing() -> None:

@@ -23,6 +23,7 @@ from kvfence.engine.messages import (
     MessageError,
     PageRef,
     PrefillWork,
+    RoomRegistration,
     SamplingParams,
     TokenChunk,
     TransferDone,
@@ -52,6 +53,7 @@ SAMPLES: list[Any] = [
     Failure("room-1", ErrorInfo(400, "invalid_request_error", "too long", "messages", None)),
     Abort("room-1", "client disconnected"),
     TransferDone("room-1", False),
+    RoomRegistration("room-1", "tenant-a", 20, PAGES, "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"),
 ]
 
 

@@ -9,6 +9,10 @@ INCONCLUSIVE — a gate that cannot read the pool must block, not pass.
 - A decode node alone is never a pass: its pool is not the reject path's.
 - A start-up guarantee (`extra["pool_guarantee_tokens"]`, TGI 3.x) stands in
   for an unreported pool only at headroom 1.0 — it promises one request.
+- A pool that may be shared between slots (`extra[SHARED_POOL_KEY]`,
+  llama.cpp's automatic slots) is the most one request can hold, not what it
+  is sure to get: short of the requirement it fails, at or above it the gate
+  cannot pass (inconclusive).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import math
 from typing import Any
 
 from kvfence.audit.base import AuditContext, Check, CheckResult, Fact, Verdict, worst
-from kvfence.audit.targets.base import NodeFacts, Target, TargetFacts
+from kvfence.audit.targets.base import SHARED_POOL_KEY, NodeFacts, Target, TargetFacts
 
 
 def _context_fact(ctx: AuditContext, target: Target, facts_context: Fact) -> Fact:
@@ -52,7 +56,26 @@ class CapacityCheck(Check):
                 return self._only_guaranteed(target, guarantee, ctx.headroom, evidence)
             pool = guarantee  # at headroom 1.0 the start-up guarantee is the whole claim
             evidence["pool_tokens"] = pool.to_json()
-        return self._gate(target, pool, context, ctx.headroom, evidence)
+        res = self._gate(target, pool, context, ctx.headroom, evidence)
+        shared = facts.extra.get(SHARED_POOL_KEY)
+        if shared is None or shared.value is not True or pool.as_int() is None:
+            return res
+        return self._bound(res, pool, shared)
+
+    def _bound(self, res: CheckResult, pool: Fact, shared: Fact) -> CheckResult:
+        """A pool that may be shared between slots: it can fail the gate, never pass it."""
+        res.evidence[SHARED_POOL_KEY] = shared.to_json()
+        why = f"{pool.as_int():,} is only a bound, at most what one request holds: {shared.note}"
+        if res.verdict is Verdict.FAIL:
+            res.summary += f" ({why})"
+            return res
+        if res.verdict is Verdict.PASS:
+            res.verdict = Verdict.INCONCLUSIVE
+            res.summary = (
+                f"{res.summary}, but {why} ({shared.source}) — the gate cannot pass on a "
+                "bound; run one slot (-np 1) or gate on the start-up log's kv_unified"
+            )
+        return res
 
     def _decode_only(
         self, target: Target, facts: TargetFacts, evidence: dict[str, Any]

@@ -164,6 +164,7 @@ class ProbeClient:
         # Sent instead of the tenant key on the operator paths (/metrics, /server_info):
         # engines that fence operator data (kvfence) answer a tenant key there with 403.
         self._operator_headers = {"Authorization": f"Bearer {operator_key}"} if operator_key else {}
+        self.operator_key = operator_key
         self.budget = budget
         self.timeout_s = timeout_s
         # The model name sent with generation requests; a target adapter sets

@@ -73,9 +73,13 @@ def parse_workers(obj: Any) -> list[Worker] | None:
 
 
 def sibling(client: ProbeClient, url: str) -> ProbeClient:
-    """A client for another node, same key and the same budget (every GET is charged)."""
+    """A client for another node, same keys and the same budget (every GET is charged)."""
     return ProbeClient(
-        url, api_key=client.api_key, budget=client.budget, timeout_s=client.timeout_s
+        url,
+        api_key=client.api_key,
+        budget=client.budget,
+        timeout_s=client.timeout_s,
+        operator_key=client.operator_key,
     )
 
 

@@ -41,6 +41,8 @@ class GenerateWork:
     sampling: SamplingParams
     # tenant, or tenant + cache_salt; a shared namespace only by operator opt-in (I8)
     cache_namespace: str
+    # Behind SGLang's router: the prefill bootstrap address the router assigned this room to.
+    peer: str = ""
 
     def bootstrap(self) -> Bootstrap:
         """Decode's reservation request: pages for exactly this prompt (I3 checks against it)."""

@@ -14,6 +14,13 @@ The PD protocol (one request):
   decode  -> router : TokenChunk ...   streamed tokens, the last one with finish_reason
   any     -> router : Failure          the original error; the request ends with it
   router  -> any    : Abort            client gone / rejected: stop and release (deferred, I7)
+
+Behind SGLang's router (serve/sglang/), both workers get the request; decode
+registers its reservation at prefill's bootstrap port instead of the router
+relaying it:
+  decode  -> prefill: RoomRegistration the router's room, the tenant decode authenticated,
+                                       the reserved handles and where to write them
+  prefill -> decode : Failure / Abort / TransferDone, straight back on that channel
 """
 
 from __future__ import annotations
@@ -184,6 +191,24 @@ class WorkerStatus:
     version: int = PROTOCOL_VERSION
 
 
+@dataclass(frozen=True, slots=True)
+class RoomRegistration:
+    """Decode's reservation for a router-assigned room, sent to prefill's bootstrap port.
+
+    Prefill pairs it with its own request for the same room and refuses the pair
+    unless the tenants and prompt token counts agree (I9: a room is bound to the
+    tenant both workers authenticated; I3 starts here).
+    """
+
+    room: str
+    tenant: str
+    num_prompt_tokens: int
+    pages: tuple[PageRef, ...]
+    kv_address: str  # decode's KV receiver
+    reply_addr: str  # decode's bootstrap inbox: prefill's failures and notes go here
+    version: int = PROTOCOL_VERSION
+
+
 Message = (
     Bootstrap
     | BootstrapReady
@@ -194,6 +219,7 @@ Message = (
     | Abort
     | TransferDone
     | WorkerStatus
+    | RoomRegistration
 )
 MESSAGE_TYPES: dict[str, type] = {
     cls.__name__: cls
@@ -207,6 +233,7 @@ MESSAGE_TYPES: dict[str, type] = {
         Abort,
         TransferDone,
         WorkerStatus,
+        RoomRegistration,
     )
 }
 _NESTED: dict[str, type] = {

@@ -13,8 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
 _REPLACEMENT = "\ufffd"
@@ -44,6 +42,11 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         **extra: Any,
     ) -> str:
+        # Jinja is imported on the first chat request, not at start-up: every role that
+        # loads a tokenizer (the router, the single-process server) starts sooner.
+        import jinja2
+        import jinja2.sandbox
+
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined
         )

@@ -62,6 +62,7 @@ def create_app(
     *,
     capacity: Capacity | None = None,
     request_log: Path | None = None,
+    router_type: type[Router] = Router,
 ) -> FastAPI:
     """Build the server. Raises `CapacityGateError` if the pools cannot hold the context (I4)."""
     if capacity is None:
@@ -75,7 +76,7 @@ def create_app(
         context_length=config.context_length,
     )
     latency = RequestLatency(registry, config.context_length, request_log)
-    router = Router(backend, admission, config, counters, latency)
+    router = router_type(backend, admission, config, counters, latency)
     app = FastAPI(title="kvfence", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
     app.state.admission = admission

@@ -14,6 +14,7 @@ single-process mode when it wants real sockets) and across hosts over `tcp://`.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -37,6 +38,41 @@ class RefusalLog:
         del self.recent[:-32]
 
 
+class Waker:
+    """A self-pipe that another thread sets to end a role's wait on its inbox at once.
+
+    Decode's KV receiver sets it when a transfer lands, so the worker's loop
+    reconciles and decodes straight away instead of after its idle poll timeout.
+    """
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+
+    def fileno(self) -> int:
+        return self._read
+
+    def set(self) -> None:
+        try:
+            os.write(self._write, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full: a wake-up is pending already
+        except OSError:
+            log.debug("waker set after close")
+
+    def clear(self) -> None:
+        try:
+            while os.read(self._read, 4096):
+                pass
+        except BlockingIOError:
+            return
+
+    def close(self) -> None:
+        os.close(self._read)
+        os.close(self._write)
+
+
 class Inbox:
     """A role's bound PULL socket. Validates every frame on receipt."""
 
@@ -53,11 +89,23 @@ class Inbox:
         self.addr = addr
         self.accepts = tuple(accepts)
         self.refused = RefusalLog()
+        self._poller = zmq.Poller()
+        self._poller.register(self.socket, zmq.POLLIN)
+        self._waker: Waker | None = None
+
+    def wake_on(self, waker: Waker) -> None:
+        """`poll` also returns (maybe empty-handed) as soon as `waker` is set."""
+        self._waker = waker
+        self._poller.register(waker.fileno(), zmq.POLLIN)
 
     def poll(self, timeout_ms: int = 0, max_messages: int = 256) -> list[Message]:
-        """Well-formed, expected messages that arrived (waits up to `timeout_ms` for the first)."""
+        """Well-formed, expected messages that arrived (waits up to `timeout_ms` for the first,
+        or until the waker is set)."""
         out: list[Message] = []
-        if not self.socket.poll(timeout_ms):
+        ready = dict(self._poller.poll(timeout_ms))
+        if self._waker is not None and self._waker.fileno() in ready:
+            self._waker.clear()
+        if self.socket not in ready:
             return out
         while len(out) < max_messages:
             try:

@@ -187,6 +187,26 @@ def _is_loopback(host: str) -> bool:
     help="decode: KV listen address",
 )
 @click.option(
+    "--router",
+    "pd_router",
+    type=click.Choice(["kvfence", "sglang"]),
+    default="kvfence",
+    show_default=True,
+    help="the PD router in front: kvfence's own, or SGLang's sglang-router (the sglang extra)",
+)
+@click.option(
+    "--bootstrap-port",
+    type=click.IntRange(0, 65535),
+    default=0,
+    help="--router sglang --role prefill: the bootstrap port decode registers at (0 = any)",
+)
+@click.option(
+    "--router-secret-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="--router sglang --role prefill|decode: the router credential (its worker URL path)",
+)
+@click.option(
     "--torch-threads",
     type=click.IntRange(0),
     default=0,
@@ -226,6 +246,9 @@ def serve(
     prefill_addr: tuple[str, ...],
     decode_addr: tuple[str, ...],
     kv_host: str,
+    pd_router: str,
+    bootstrap_port: int,
+    router_secret_file: Path | None,
     torch_threads: int,
 ) -> None:
     """Serve a model over the OpenAI API, with tenant isolation (exit 1: capacity gate failed)."""

@@ -96,11 +96,21 @@ class Router:
             500, "could not draw a unique request id", type="server_error", code="room_collision"
         )
 
+    def claim_room(self, room: str, tenant: str) -> str:
+        """A room someone else made (SGLang's router), bound to this tenant; 409 if in use (I9)."""
+        if room in self.rooms:
+            self.counters.room_collisions += 1
+            raise ApiError(409, f"room {room} is already in use (I9)", code="room_collision")
+        self.rooms[room] = tenant
+        return room
+
     # ---- submission ---------------------------------------------------------------------
 
-    def submit(self, prep: Prepared) -> Run:
+    def submit(self, prep: Prepared, room: str | None = None, peer: str = "") -> Run:
+        """Submit under a fresh room, or under `room` already claimed for this tenant."""
         shape = Shape(prep.req, self.config.model_name)
-        run = Run(room=self.new_room(prep.tenant), tenant=prep.tenant, prep=prep, shape=shape)
+        room = room if room is not None else self.new_room(prep.tenant)
+        run = Run(room=room, tenant=prep.tenant, prep=prep, shape=shape)
         loop = asyncio.get_running_loop()
 
         def sink(event: Event) -> None:
@@ -116,6 +126,7 @@ class Router:
             prompt_ids=prep.prompt_ids,
             sampling=prep.sampling,
             cache_namespace=prep.cache_namespace,
+            peer=peer,
         )
         try:
             self.backend.submit(work, sink)
@@ -159,7 +170,7 @@ class Router:
             _time_chunk(run, event)
         return event
 
-    def _admit_and_submit(self, kind: Kind, tenant: str, body: bytes) -> Run:
+    def _admit_and_submit(self, kind: Kind, tenant: str, body: bytes, request: Request) -> Run:
         prep = self.admission.admit(kind, tenant, body)
         # Per-tenant limits (serve/limits.py): a 429 here has made no room, allocated nothing.
         slot = self.admission.limits.acquire(tenant, len(prep.prompt_ids))
@@ -188,7 +199,7 @@ class Router:
             tenant = self.admission.authenticate(request.headers.get("authorization"))
             self.admission.limits.precheck(tenant)  # at its concurrency limit: 429, unread
             body = await read_body(request, self.admission.body_limit, self.config.body_timeout_s)
-            run = self._admit_and_submit(kind, tenant, body)
+            run = self._admit_and_submit(kind, tenant, body, request)
         except ApiError as e:
             self.counters.rejected(e.code or e.type)
             if self.latency is not None and tenant is not None:

@@ -28,6 +28,11 @@ def verdict_of(out: Interval) -> Verdict:
 def report(url: str, out: Interval) -> None:
     state = "facts known" if out.facts_known else f"FACTS UNKNOWN ({out.error})"
     click.echo(f"{url}: {verdict_of(out).value}: {state}")
+    if out.facts is not None:
+        for name in ("pool_tokens", "context_length"):
+            fact = getattr(out.facts, name)
+            note = f"; {fact.note}" if fact.note else ""
+            click.echo(f"  {name}: {fact.value} ({fact.source}{note})")
     for change in out.changed:
         click.echo(f"  changed: {change}")
     for r in (out.gate, out.boundary):

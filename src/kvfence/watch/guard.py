@@ -62,6 +62,7 @@ class Interval:
     too_fast: bool = False
     error: str = ""
     notes: list[str] = field(default_factory=list)
+    facts: TargetFacts | None = None  # as read this interval (the gate's inputs, with sources)
 
 
 class TargetGuard:
@@ -95,6 +96,7 @@ class TargetGuard:
             log.warning("guard %s: %s: %s", self.url, type(e).__name__, e)
             out = Interval(facts_known=False, error=f"{type(e).__name__}: {e}")
         self._charge(self.ctx.budget.sent - sent0)
+        self.metrics.requests.labels(self.url).inc(self.ctx.budget.sent - sent0)
         self.metrics.facts_known.labels(self.url).set(1 if out.facts_known else 0)
         if out.facts_known:
             self.metrics.last_success.labels(self.url).set(time.time())
@@ -110,8 +112,9 @@ class TargetGuard:
         fp = Fingerprint.of(facts)
         self._export_facts(facts)
         if not fp.gateable:
-            return Interval(False, error="pool or context unknown: " + facts.pool_tokens.note)
-        out = Interval(True)
+            note = facts.pool_tokens.note
+            return Interval(False, error="pool or context unknown: " + note, facts=facts)
+        out = Interval(True, facts=facts)
         if fp != self.fingerprint:
             if self.fingerprint is not None:
                 out.changed = fp.diff(self.fingerprint)

@@ -91,6 +91,12 @@ class WatchMetrics:
             ["target", "kind"],
             registry=r,
         )
+        self.requests = Counter(
+            "kvfence_guard_requests",
+            "Every request the guard sent to the target (fact reads, gate, boundary, probes)",
+            t,
+            registry=r,
+        )
         self.skipped = Counter(
             "kvfence_guard_probes_skipped",
             "Probe rounds skipped to stay within the request budget per minute",
@@ -106,5 +112,5 @@ class WatchMetrics:
 
     def start(self, target: str) -> None:
         """Create every series at its resting value, so rate()/increase() see the first event."""
-        for c in (self.changes, self.crossings, self.too_fast, self.skipped):
+        for c in (self.changes, self.crossings, self.too_fast, self.skipped, self.requests):
             c.labels(target).inc(0)

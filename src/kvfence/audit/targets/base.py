@@ -29,6 +29,10 @@ from typing import Any, ClassVar
 from kvfence.audit.base import Fact, JSONValue
 from kvfence.audit.client import ProbeClient, ProbeResponse
 
+# TargetFacts.extra key: the pool may be shared between slots (llama.cpp's automatic
+# slots), so `pool_tokens` is the most one request can hold, not what it is sure to get.
+SHARED_POOL_KEY = "pool_may_be_shared"
+
 
 @dataclass(slots=True)
 class NodeFacts:

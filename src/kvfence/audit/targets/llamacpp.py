@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from kvfence.audit.base import Fact
 from kvfence.audit.client import ProbeClient
 from kvfence.audit.targets.base import (
+    SHARED_POOL_KEY,
     Endpoints,
     Target,
     TargetFacts,
@@ -70,6 +71,13 @@ class LlamacppTarget(Target):
                 f"{slots if slots is not None else 'N'} slots share one pool of this size, "
                 "with -np N each owns n_ctx/N of it — HTTP does not say which, so only n_ctx "
                 "per slot is claimed: concurrent long prompts can still exhaust the shared pool",
+            )
+        if slots is None or slots > 1:
+            facts.extra[SHARED_POOL_KEY] = Fact(
+                True,
+                "GET /props total_slots",
+                f"{slots if slots is not None else 'unknown'} slots: with kv_unified they "
+                "share one pool of n_ctx, so one request may hold less (HTTP does not say)",
             )
         facts.page_size = Fact.unknown(
             "llama-server", "no paged KV over HTTP (contiguous per slot)"

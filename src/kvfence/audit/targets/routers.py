@@ -32,6 +32,7 @@ from kvfence.audit.targets.base import (
     models_fact,
     tokenizer_fact,
 )
+from kvfence.audit.targets.kvfence import KvfenceTarget
 from kvfence.audit.targets.sglang import SglangTarget, is_router_info
 from kvfence.audit.targets.vllm import VllmTarget
 
@@ -138,10 +139,11 @@ def _any_caches(nodes: list[NodeFacts]) -> Fact:
 
 class SglangRouterTarget(RouterTarget):
     engine: ClassVar[str] = "sglang-router"
-    worker_adapters: ClassVar[tuple[type[Target], ...]] = (SglangTarget,)
+    # SGLang workers, or kvfence's (`kvfence serve --router sglang`, serve/sglang/).
+    worker_adapters: ClassVar[tuple[type[Target], ...]] = (KvfenceTarget, SglangTarget)
     forwards_salt: ClassVar[str | None] = (
         "sglang-router 0.3.2 forwards cache_salt on /v1/completions (seen live); "
-        "it drops it on /generate"
+        "it drops it on /v1/chat/completions and /generate (seen live)"
     )
 
     @classmethod

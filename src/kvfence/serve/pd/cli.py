@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from kvfence.faults import FaultSet
-from kvfence.serve.pd.launch import RouterSpec, run_disaggregated, run_router
+from kvfence.serve.pd.launch import run_disaggregated
 from kvfence.serve.tenants import TenantRegistry
 
 # Options every role must agree on, passed through to each child of --disaggregated.
@@ -49,6 +49,10 @@ def pd_main(
     announce: Callable[..., None],
 ) -> int:
     role = params["role"]
+    if params["pd_router"] == "sglang":
+        from kvfence.serve.sglang.cli import sglang_main
+
+        return sglang_main(params, faults, tenants, model_dir)
     if params["disaggregated"]:
         if role is not None:
             raise click.UsageError("--disaggregated starts every role; --role runs one of them")
@@ -84,6 +88,8 @@ def pd_main(
             raise click.UsageError(
                 "--role router needs --prefill-addr and --decode-addr (at least one each)"
             )
+        from kvfence.serve.pd.router_role import RouterSpec, run_router  # the web stack: here only
+
         spec = RouterSpec(
             model_dir=str(model_dir),
             inbox=params["inbox"],

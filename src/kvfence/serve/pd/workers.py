@@ -44,7 +44,7 @@ from kvfence.engine.prefill import OutboundTransfer, PrefillEngine
 from kvfence.faults import FaultSet
 from kvfence.kv.pool import KVPool, PageHandle, ScrubPolicy
 from kvfence.model.loader import LoadedModel, load_model
-from kvfence.serve.channel import Inbox, Outbox
+from kvfence.serve.channel import Inbox, Outbox, Waker
 from kvfence.serve.pd.spec import WorkerSpec
 from kvfence.serve.pool_sizing import PoolSizes, available_memory_bytes
 from kvfence.serve.transfer.base import KVSender, TransferRefused, TransportClosed
@@ -103,6 +103,8 @@ class _Control:
     def __init__(self, spec: WorkerSpec, accepts: list[type]) -> None:
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.inbox = Inbox(self.ctx, spec.inbox, accepts)
+        self.waker = Waker()  # set by other threads (decode's KV receiver) to end an idle wait
+        self.inbox.wake_on(self.waker)
         self.router = Outbox(self.ctx, spec.router)
         self.stop = _Stop()
         self._last_status = 0.0
@@ -124,6 +126,7 @@ class _Control:
     def close(self) -> None:
         self.inbox.close()
         self.router.close()
+        self.waker.close()
         self.ctx.term()
 
 
@@ -258,6 +261,7 @@ class DecodeWorker:
         self.receiver = transport.receiver(self.pool)
         self.engine = DecodeEngine(loaded.model, self.pool, config, faults, inbound=self.receiver)
         self.control = _Control(spec, [Bootstrap, Abort, TransferDone])
+        self.receiver.notify(self.control.waker.set)  # a landed transfer is decoded at once
         self.transfer_failures = 0
 
     def iterate(self) -> None:

@@ -59,6 +59,7 @@ reconciliation itself is only the manifest comparison (bench/transfer.py).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from kvfence.engine.messages import TransferDone, TransferManifest
@@ -107,6 +108,10 @@ class KVReceiver(ABC):
                 self.pool.end_inbound(indices)  # I7: only now may released pages be reused
             events.append(event)
         return events
+
+    def notify(self, callback: Callable[[], None]) -> None:
+        """`callback` runs (on a transport thread) whenever an event is ready for `poll`."""
+        self.book.on_event = callback
 
     def cancel(self, room: str) -> None:
         """Stop expecting `room`. Its `TransferDone(ok=False)` arrives via `poll` once safe."""

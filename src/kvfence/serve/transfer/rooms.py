@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvfence.engine.messages import PageRef, TransferDone, TransferManifest
@@ -53,6 +53,8 @@ class RoomBook:
     _rooms: dict[str, _Room] = field(default_factory=dict)
     _events: deque[tuple[Event, tuple[int, ...]]] = field(default_factory=deque)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    # Called (from the transport's thread) after an event is queued: wakes decode's loop.
+    on_event: Callable[[], None] | None = None
 
     def expect(self, room: str, refs: tuple[PageRef, ...]) -> None:
         with self._lock:
@@ -95,6 +97,7 @@ class RoomBook:
             room = self._rooms.get(manifest.room)
             if room is not None and not room.started:
                 self._end(manifest.room, ok=False)
+        self._notify()
 
     def landed(self, manifest: TransferManifest, checksum: str | None) -> None:
         """The granted payload is in place and nothing more will be written for it."""
@@ -105,6 +108,7 @@ class RoomBook:
             if not room.cancelled:
                 self._events.append((Landed(manifest, checksum), ()))
             self._end(manifest.room, ok=not room.cancelled)
+        self._notify()
 
     def lost(self, rooms: Sequence[str]) -> None:
         """The sender of these (granted) rooms is dead: nothing more can land (I7)."""
@@ -112,6 +116,7 @@ class RoomBook:
             for r in rooms:
                 if r in self._rooms and self._rooms[r].started:
                     self._end(r, ok=False)
+        self._notify()
 
     def cancel(self, room: str) -> None:
         """Decode gives up. Before a grant the room ends now; after it, when the sender is done or dead."""
@@ -126,6 +131,10 @@ class RoomBook:
     def _end(self, room: str, *, ok: bool) -> None:
         state = self._rooms.pop(room)
         self._events.append((TransferDone(room=room, ok=ok), state.indices))
+
+    def _notify(self) -> None:
+        if self.on_event is not None:
+            self.on_event()
 
     def drain(self) -> list[tuple[Event, tuple[int, ...]]]:
         with self._lock:

@@ -1,0 +1,1 @@
+"""kvfence prefill and decode workers behind SGLang's own PD router (`sglang-router`)."""

@@ -1,0 +1,156 @@
+"""Decode's half of the pair: reserve, register at prefill's bootstrap, reconcile, decode.
+
+For each routed request decode reserves pages for exactly its own prompt
+(generation-stamped), and registers the room at the prefill bootstrap the
+router named (`RoomRegistration`: the tenant this worker authenticated, the
+page handles, its KV receiver, its reply inbox). What lands is reconciled
+against the reservation before a token is decoded (I3). Prefill's refusal
+arrives on the reply inbox with the original error: the request ends with
+it, and its pages are released once prefill confirms nothing will land
+(`TransferDone(ok=False)`, I7) -- decode never waits for KV that will not
+come, and never decodes over pages that were not written (the incident).
+This worker's own refusal of a routed request goes to prefill the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from kvfence.engine.counters import Counters
+from kvfence.engine.decode import DecodeEngine
+from kvfence.engine.kvlink import apply_transfer_events
+from kvfence.engine.messages import (
+    Abort,
+    BootstrapReady,
+    ErrorInfo,
+    Failure,
+    Message,
+    RoomRegistration,
+    TokenChunk,
+    TransferDone,
+)
+from kvfence.engine.routing import Room, Rooms, Stage
+from kvfence.faults import FaultSet
+from kvfence.kv.pool import PageHandle
+from kvfence.serve.sglang.side import PAIR_TIMEOUT_S, Cancel, PairSide, Reject, Submit
+from kvfence.serve.transfer.base import KVReceiver
+
+
+class DecodeSide(PairSide):
+    """`Backend` for a decode worker behind SGLang's router."""
+
+    role = "decode"
+
+    def __init__(
+        self, engine: DecodeEngine, receiver: KVReceiver, reply_addr: str, faults: FaultSet
+    ) -> None:
+        super().__init__(engine.pool, reply_addr, [Failure, Abort, TransferDone])
+        self.engine = engine
+        self.receiver = receiver
+        receiver.notify(self.waker.set)  # a landed transfer is reconciled and decoded at once
+        self.rooms = Rooms(faults)  # one end per request (I6), shared with the other backends
+        self.transfer_failures = 0
+
+    def iterate(self) -> None:
+        """The data flow: prefill's notes -> commands -> what landed (I3) -> step -> tokens."""
+        engine = self.engine
+        for msg in self.receive(engine.has_work):
+            self._from_prefill(msg)
+        for cmd in self.commands():
+            self._command(cmd)
+        for failure in apply_transfer_events(engine, self.receiver.poll()):
+            self.transfer_failures += 1  # cancelled, refused or its sender died
+            self._deliver(failure)
+        if engine.has_work:
+            engine.step()
+        out = engine.drain()
+        for ready in out.ready:
+            self._register(ready)  # a queued reservation got its pages
+        for event in out.events:
+            self._deliver(event)
+        self._expire(time.monotonic())
+        if not (engine.has_work or engine.rooms() or self.rooms.open):
+            self.check_quiet()
+
+    def _command(self, cmd: Submit | Reject | Cancel) -> None:
+        if isinstance(cmd, Submit):
+            boot = self.rooms.admit(Room(cmd.work, cmd.sink, decode="local", prefill=cmd.work.peer))
+            if isinstance(boot, Failure):
+                cmd.sink(boot)
+                return
+            answer = self.engine.bootstrap(boot)
+            if isinstance(answer, BootstrapReady):
+                self._register(answer)
+            elif isinstance(answer, Failure):
+                self._deliver(answer)
+                self.send(cmd.work.peer, answer)  # prefill ends its half with the same error
+        elif isinstance(cmd, Reject):
+            self.send(cmd.binding.peer, Failure(cmd.binding.room, cmd.error))
+        else:
+            room = self.rooms.open.get(cmd.room)
+            event = self.rooms.abort(cmd.room, cmd.reason)
+            self.engine.abort(cmd.room, cmd.reason)  # pages parked until prefill confirms (I7)
+            if room is not None:
+                self.send(room.prefill, Failure(cmd.room, _aborted(cmd.reason)))
+            if event is not None:
+                self._deliver(event)
+
+    def _register(self, ready: BootstrapReady) -> None:
+        room = self.rooms.open.get(ready.room)
+        if room is None or self.rooms.ready(ready) is None:
+            return
+        work = room.work
+        reg = RoomRegistration(
+            room=work.room,
+            tenant=work.tenant,
+            num_prompt_tokens=len(work.prompt_ids),
+            pages=ready.pages,
+            kv_address=self.receiver.address,
+            reply_addr=self.inbox.addr,
+        )
+        self.send(work.peer, reg)
+        room.deadline = time.monotonic() + PAIR_TIMEOUT_S
+
+    def _expire(self, now: float) -> None:
+        """A room whose prefill half never answered fails by its deadline (I6), pages parked (I7)."""
+        for name, room in list(self.rooms.open.items()):
+            if room.stage is Stage.TRANSFER and now >= room.deadline:
+                why = (
+                    f"prefill at {room.work.peer} did not prefill room {name} in {PAIR_TIMEOUT_S} s"
+                )
+                self.engine.abort(name, why)
+                self._deliver(Failure(name, ErrorInfo(504, "timeout", why, code="pair_timeout")))
+
+    def _from_prefill(self, msg: Message) -> None:
+        if isinstance(msg, Failure):  # prefill refused the room: its original error (I6)
+            self.engine.abort(msg.room, msg.error.message)
+            self._deliver(msg)
+        elif isinstance(msg, Abort):
+            self.engine.abort(msg.room, msg.reason)
+        elif isinstance(msg, TransferDone) and not msg.ok:
+            self.receiver.cancel(msg.room)  # prefill will never send: close the window (I7)
+
+    def _deliver(self, event: TokenChunk | Failure) -> None:
+        room = self.rooms.target(event)
+        if room is not None:
+            room.sink(event)
+
+    # ---- facts -------------------------------------------------------------------------
+
+    def counters(self) -> Counters:
+        return dataclasses.replace(self.engine.counters, transfer_failures=self.transfer_failures)
+
+    def outstanding(self) -> list[PageHandle]:
+        return self.engine.outstanding_handles()
+
+    def fail_all(self, why: str) -> None:
+        for room in list(self.rooms.open):
+            self._deliver(Failure(room, ErrorInfo(500, "server_error", why)))
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
+def _aborted(reason: str) -> ErrorInfo:
+    return ErrorInfo(499, "aborted", f"request aborted: {reason}")

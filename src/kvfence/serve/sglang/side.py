@@ -1,0 +1,167 @@
+"""What both halves of a pair share: one engine thread, a command queue, the bootstrap channel.
+
+The HTTP server's threads only queue commands (submit, reject, abort); one
+engine thread runs the role's loop (`iterate`), so the engine, the KV
+transport and every ZeroMQ socket are used from that thread only. Events
+reach each request's sink from that thread (engine/backend.py's contract).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass
+
+import zmq
+
+from kvfence.engine.backend import BackendStats, GenerateWork, PoolInfo, Sink
+from kvfence.engine.counters import Counters
+from kvfence.engine.messages import ErrorInfo, Message
+from kvfence.kv.pool import KVPool, PageHandle
+from kvfence.serve.channel import Inbox, Outbox, Waker
+from kvfence.serve.sglang.fields import RoomBinding
+
+log = logging.getLogger(__name__)
+IDLE_POLL_MS = 10
+PAIR_TIMEOUT_S = 30.0  # a room whose other half never shows up fails by then
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    work: GenerateWork
+    sink: Sink
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    binding: RoomBinding
+    error: ErrorInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    room: str
+    reason: str
+
+
+Command = Submit | Reject | Cancel
+
+
+class PairSide(ABC):
+    """Base of `PrefillSide` and `DecodeSide`: lifecycle, commands, outboxes, pool facts."""
+
+    role = ""
+
+    def __init__(self, pool: KVPool, inbox_addr: str, accepts: list[type]) -> None:
+        self.pool = pool
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.inbox = Inbox(self.ctx, inbox_addr, accepts)
+        self.waker = Waker()  # set by other threads (a command, a landed transfer): no idle wait
+        self.inbox.wake_on(self.waker)
+        self._outboxes: dict[str, Outbox] = {}
+        self._commands: deque[Command] = deque()
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.integrity = ""
+
+    # ---- the Backend contract (any thread) ---------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name=f"kvfence-{self.role}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        for box in self._outboxes.values():
+            box.close()
+        self.inbox.close()
+        self.close()
+        self.waker.close()
+        self.ctx.term()
+
+    def submit(self, work: GenerateWork, sink: Sink) -> None:
+        self._queue(Submit(work, sink))
+
+    def reject(self, binding: RoomBinding, error: ErrorInfo) -> None:
+        self._queue(Reject(binding, error))
+
+    def abort(self, room: str, reason: str) -> None:
+        self._queue(Cancel(room, reason))
+
+    def stats(self) -> BackendStats:
+        pool = self.pool
+        info = PoolInfo(
+            self.role,
+            pool.capacity_tokens,
+            pool.page_size,
+            pool.num_used,
+            pool.num_free,
+            pool.num_pending,
+        )
+        return BackendStats(self.counters(), (info,))
+
+    # ---- the engine thread ---------------------------------------------------------------
+
+    def _queue(self, cmd: Command) -> None:
+        with self._lock:
+            self._commands.append(cmd)
+        self.waker.set()
+
+    def commands(self) -> list[Command]:
+        with self._lock:
+            out = list(self._commands)
+            self._commands.clear()
+        return out
+
+    def receive(self, busy: bool) -> list[Message]:
+        return self.inbox.poll(0 if busy else IDLE_POLL_MS)
+
+    def send(self, addr: str, msg: Message) -> None:
+        box = self._outboxes.get(addr)
+        if box is None:
+            box = self._outboxes[addr] = Outbox(self.ctx, addr)
+        box.send(msg)
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self.iterate()
+            except Exception:
+                log.exception("%s engine loop failed", self.role)
+                self.fail_all("the engine failed")
+                time.sleep(0.1)
+
+    def check_quiet(self) -> None:
+        """The ledger check at a quiet point (I1/I5/I7 bookkeeping), for /server_info."""
+        try:
+            self.pool.check_integrity(self.outstanding())
+            self.integrity = "ok"
+        except AssertionError as e:
+            self.integrity = f"integrity check failed: {e}"
+
+    # ---- per role ------------------------------------------------------------------------
+
+    @abstractmethod
+    def iterate(self) -> None:
+        """One turn of the role's loop (engine thread)."""
+
+    @abstractmethod
+    def counters(self) -> Counters: ...
+
+    @abstractmethod
+    def outstanding(self) -> list[PageHandle]:
+        """Every handle the engine holds (for `pool.check_integrity`)."""
+
+    @abstractmethod
+    def fail_all(self, why: str) -> None:
+        """The engine loop raised: end every open request with an error (I6)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close the role's transport half."""

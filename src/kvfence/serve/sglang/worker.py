@@ -1,0 +1,147 @@
+"""One kvfence prefill or decode worker behind SGLang's router: build it, gate it, serve it.
+
+The worker is kvfence's own HTTP server (auth, strict fields, limits, the
+capacity gate on its live pool, I4) over one half of the pair (`PrefillSide`
+or `DecodeSide`), behind `RouterGate`, which admits the router by its path
+credential. Its first stdout line after start-up is `ANNOUNCE` + JSON (role,
+URL, bootstrap port) so a launcher can hand the router the ports it bound.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvfence.engine.decode import DecodeEngine
+from kvfence.engine.prefill import PrefillEngine
+from kvfence.engine.sizing import CapacityGateError
+from kvfence.faults import FaultSet
+from kvfence.kv.pool import KVPool
+from kvfence.model.loader import LoadedModel, load_model
+from kvfence.serve.app import create_app
+from kvfence.serve.config import ServeConfig, decide_capacity
+from kvfence.serve.pd.spec import WorkerSpec
+from kvfence.serve.pd.workers import engine_config
+from kvfence.serve.sglang.decode import DecodeSide
+from kvfence.serve.sglang.gate import RouterGate
+from kvfence.serve.sglang.prefill import PrefillSide
+from kvfence.serve.sglang.routing import WorkerRouter
+from kvfence.serve.sglang.side import PairSide
+from kvfence.serve.tenants import TenantRegistry
+from kvfence.serve.thread import bind, serve_forever, url_of
+from kvfence.serve.transfer.registry import get_transport
+
+ANNOUNCE = "KVFENCE_SGLANG_WORKER "
+EXIT_GATE = 1
+
+
+@dataclass(frozen=True, slots=True)
+class SglangWorkerSpec:
+    """A worker's engine (`worker`) plus what its HTTP side and the router need."""
+
+    worker: WorkerSpec
+    secret: str  # the router credential: its path prefix (gate.py)
+    host: str = "127.0.0.1"
+    port: int = 0
+    bootstrap_port: int = 0  # prefill: the router's `--prefill URL BOOTSTRAP_PORT`
+    headroom: float = 1.25
+    allow_undersized_pool: bool = False
+    default_max_tokens: int = 16
+    log_level: str = "warning"
+
+
+def build_side(spec: SglangWorkerSpec, loaded: LoadedModel) -> PairSide:
+    w = spec.worker
+    faults = FaultSet.parse(w.faults)
+    config = engine_config(w, loaded)
+    geometry = loaded.config.kv_geometry(page_size=w.page_size)
+    if w.role == "prefill":
+        pool = KVPool(geometry, config.prefill_pages, scrub=config.scrub, faults=faults)
+        engine = PrefillEngine(loaded.model, pool, config, faults)
+        addr = f"tcp://{spec.host}:{spec.bootstrap_port}"
+        return PrefillSide(engine, get_transport(w.transport), addr)
+    transport = get_transport(w.transport, host=w.kv_host)
+    pool = transport.create_pool(geometry, config.decode_pages, scrub=config.scrub, faults=faults)
+    receiver = transport.receiver(pool)
+    decode = DecodeEngine(loaded.model, pool, config, faults, inbound=receiver)
+    return DecodeSide(decode, receiver, f"tcp://{w.kv_host}:0", faults)
+
+
+def serve_config(spec: SglangWorkerSpec, loaded: LoadedModel) -> ServeConfig:
+    w = spec.worker
+    return ServeConfig(
+        model_name=Path(w.model_dir).name,
+        context_length=w.context_length or loaded.config.max_position_embeddings,
+        vocab_size=loaded.config.vocab_size,
+        headroom=spec.headroom,
+        allow_undersized_pool=spec.allow_undersized_pool,
+        faults=FaultSet.parse(w.faults),
+        default_max_tokens=spec.default_max_tokens,
+        scrub_policy=w.scrub,
+        transport=w.transport,
+        disaggregated=True,
+        prefix_cache=w.prefix_cache,
+        shared_prefix_cache=w.shared_prefix_namespace is not None,
+    )
+
+
+def router_facts(spec: SglangWorkerSpec, side: PairSide, config: ServeConfig) -> dict[str, Any]:
+    """What sglang-router reads at registration, in SGLang's field names, plus the live pool."""
+    pool = side.stats().pools[0]
+    w = spec.worker
+    return {
+        "model_path": w.model_dir,  # the router loads its tokenizer from here (offline)
+        "tokenizer_path": w.model_dir,
+        "served_model_name": config.model_name,
+        "is_generation": True,
+        "disaggregation_mode": w.role,
+        "disaggregation_bootstrap_port": side.inbox.addr.rsplit(":", 1)[1]
+        if w.role == "prefill"
+        else None,
+        "disaggregation_transfer_backend": w.transport,
+        "context_length": config.context_length,
+        "max_total_num_tokens": pool.pool_tokens,
+        "page_size": pool.page_size,
+        "pages_used": pool.pages_used,
+        "pages_free": pool.pages_free,
+        "pages_pending": pool.pages_pending,
+        "integrity": side.integrity,
+        "engine": "kvfence",
+    }
+
+
+def run_sglang_worker(spec: SglangWorkerSpec, tenants: TenantRegistry) -> int:
+    """Serve until SIGTERM; exit 1 when the live pool fails the capacity gate (I4)."""
+    loaded = load_model(spec.worker.model_dir, kind=spec.worker.model_kind)
+    side = build_side(spec, loaded)
+    config = serve_config(spec, loaded)
+    try:
+        capacity = decide_capacity(config, side.stats().pools)
+    except CapacityGateError as e:
+        print(str(e), file=sys.stderr)  # I4: this worker takes no traffic
+        side.stop()
+        return EXIT_GATE
+    app = create_app(
+        side, loaded.tokenizer, config, tenants, capacity=capacity, router_type=WorkerRouter
+    )
+
+    def facts() -> dict[str, Any]:
+        return router_facts(spec, side, config)
+
+    gated = RouterGate(app, spec.secret, facts)
+    sock = bind(spec.host, spec.port)
+    side.start()
+    try:
+        port = side.inbox.addr.rsplit(":", 1)[1]
+        bootstrap = int(port) if spec.worker.role == "prefill" else None
+        shown = {"role": spec.worker.role, "url": url_of(sock), "bootstrap_port": bootstrap}
+        print(ANNOUNCE + json.dumps(shown), flush=True)
+        print(capacity.report.message(), file=sys.stderr, flush=True)
+        serve_forever(gated, sock, log_level=spec.log_level)
+    finally:
+        side.stop()
+        sock.close()
+    return 0

@@ -1,0 +1,84 @@
+"""`kvfence watch --once` against the real peers: the facts and the gate the audit reports.
+
+vLLM: its pool as its start-up log states it ("CPU KV cache size: N tokens"),
+the gate and boundary as `kvfence audit` grades them, exit 0. llama.cpp: the
+shared-slot trap — the per-slot n_ctx is reported as a bound, never as the
+pool, and the gate never passes on it (exit 1 at the default headroom, where
+even the bound is short; inconclusive at headroom 1.0, never 0). The peers
+are the session fixtures the other peer tests share: no extra start-up.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from bench.peers import PeerServer, llamacpp_n_ctx_seq, vllm_pool_tokens
+from click.testing import CliRunner, Result
+from peer_helpers import LLAMA_CTX, LLAMA_SLOTS, VLLM_MAX_MODEL_LEN
+
+from kvfence.audit.base import AuditContext, Budget, Verdict, run_check
+from kvfence.audit.capacity import CapacityCheck
+from kvfence.audit.targets.registry import detect
+from kvfence.cli import main
+
+pytestmark = [pytest.mark.slow, pytest.mark.peers, pytest.mark.timeout(900)]
+
+
+def watch_once(peer: PeerServer, *args: str) -> Result:
+    return CliRunner().invoke(main, ["watch", "--once", "--target", peer.url, *args])
+
+
+def audit_gate(peer: PeerServer, headroom: float = 1.25) -> tuple[Verdict, str]:
+    ctx = AuditContext(headroom=headroom, budget=Budget(max_requests=50, max_seconds=120))
+    with ctx.open():
+        target = detect(peer.url, ctx.client_for_url(peer.url, "a"))
+        res = run_check(CapacityCheck(), ctx, target)
+    return res.verdict, res.summary
+
+
+def line(out: str, prefix: str) -> str:
+    found = [ln.strip() for ln in out.splitlines() if ln.strip().startswith(prefix)]
+    assert found, f"no '{prefix}' line in:\n{out}"
+    return found[0]
+
+
+def test_watch_once_on_vllm_reports_the_pool_its_log_states(vllm_peer: PeerServer) -> None:
+    result = watch_once(vllm_peer)
+    out = result.output
+    print(f"\nwatch --once vLLM (exit {result.exit_code}):\n{out}")
+    pool = vllm_pool_tokens(vllm_peer.log_text())
+    assert pool is not None
+    verdict, summary = audit_gate(vllm_peer)
+    assert verdict is Verdict.PASS
+    assert line(out, "capacity:") == f"capacity: pass: {summary}"  # the audit's own words
+    assert f"pool {pool:,} ≥ context {VLLM_MAX_MODEL_LEN:,}" in summary
+    assert line(out, "pool_tokens:").startswith(f"pool_tokens: {pool} (GET /metrics vllm:")
+    assert line(out, "context_length:").startswith(f"context_length: {VLLM_MAX_MODEL_LEN} (")
+    assert line(out, "boundary:").startswith("boundary: pass:")
+    assert re.search(r"no crossing", out), out
+    assert result.exit_code == 0, out
+    assert line(out, vllm_peer.url).startswith(f"{vllm_peer.url}: pass: facts known")
+
+
+def test_watch_once_on_llamacpp_never_passes_the_shared_slot_bound(
+    llamacpp_peer: PeerServer,
+) -> None:
+    per_slot = llamacpp_n_ctx_seq(llamacpp_peer.log_text()) or LLAMA_CTX // LLAMA_SLOTS
+    result = watch_once(llamacpp_peer, "--no-timing")
+    out = result.output
+    print(f"\nwatch --once llama.cpp (exit {result.exit_code}):\n{out}")
+    verdict, summary = audit_gate(llamacpp_peer)
+    assert verdict is Verdict.FAIL  # even the bound is short of context x 1.25
+    assert line(out, "capacity:") == f"capacity: fail: {summary}"
+    assert f"pool {per_slot:,} <" in summary and "only a bound" in summary
+    pool_line = line(out, "pool_tokens:")
+    assert pool_line.startswith(f"pool_tokens: {per_slot} (") and "(lower bound)" in pool_line
+    assert result.exit_code == 1, out
+    # At headroom 1.0 the bound equals the context: the gate still cannot pass on it.
+    result = watch_once(llamacpp_peer, "--no-timing", "--no-canary", "--headroom", "1.0")
+    verdict, summary = audit_gate(llamacpp_peer, headroom=1.0)
+    assert verdict is Verdict.INCONCLUSIVE and "bound" in summary
+    assert line(result.output, "capacity:") == f"capacity: inconclusive: {summary}"
+    assert result.exit_code == 2, result.output
+    print(f"headroom 1.0 (exit {result.exit_code}):\n{result.output}")
