@@ -25,12 +25,12 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvfence.audit import report
-from kvfence.audit.base import DEFAULT_HEADROOM, AuditContext, Budget, CheckResult
+from kvfence.audit.base import DEFAULT_ALPHA, DEFAULT_HEADROOM, AuditContext, Budget, CheckResult
 from kvfence.audit.runbook import ALL_CHECKS, AuditRun, run_audit
 from kvfence.audit.targets.registry import ENGINE_CHOICES
 
 # "module:function" of the embedded-default runner:
-#   (checks, headroom, seed, progress, budget, on_result) -> AuditRun
+#   (checks, headroom, seed, progress, budget, on_result, alpha) -> AuditRun
 EMBEDDED_HOOK = "kvfence.audit.embedded:audit_embedded"
 
 
@@ -77,6 +77,13 @@ def _embedded_runner() -> Callable[..., AuditRun] | None:
 @click.option("--max-requests", type=int, default=5000, show_default=True)
 @click.option("--max-seconds", type=float, default=900.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--alpha",
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    default=DEFAULT_ALPHA,
+    show_default=True,
+    help="family-wise false-alarm rate per target, split over the statistical checks",
+)
 @click.option("--quiet", is_flag=True, help="no progress, only the summary line")
 @click.option(
     "--fail-on-inconclusive/--no-fail-on-inconclusive",
@@ -101,6 +108,7 @@ def audit(
     max_requests: int,
     max_seconds: float,
     seed: int,
+    alpha: float,
     quiet: bool,
     fail_on_inconclusive: bool,
 ) -> None:
@@ -125,11 +133,12 @@ def audit(
             budget=budget,
             seed=seed,
             quiet=quiet,
+            alpha=alpha,
         )
         body = _on_targets(actx, list(targets), engine, names)
         run = _with_progress(body, len(targets) * len(names), quiet, console)
     else:
-        body = _on_embedded(console, names, headroom, seed, budget)
+        body = _on_embedded(console, names, headroom, seed, budget, alpha)
         if html_out is None:
             html_out = str(Path(tempfile.mkdtemp(prefix="kvfence-audit-")) / "report.html")
         run = _with_progress(body, 2 * len(names), quiet, console)
@@ -154,7 +163,12 @@ def _on_targets(
 
 
 def _on_embedded(
-    console: Console, names: tuple[str, ...], headroom: float, seed: int, budget: Budget
+    console: Console,
+    names: tuple[str, ...],
+    headroom: float,
+    seed: int,
+    budget: Budget,
+    alpha: float,
 ) -> AuditBody:
     """The embedded default (no --target): a kvfence server this command starts itself."""
     runner = _embedded_runner()
@@ -173,6 +187,7 @@ def _on_embedded(
             progress=progress,
             budget=budget,
             on_result=on_result,
+            alpha=alpha,
         )
 
     return run_embedded

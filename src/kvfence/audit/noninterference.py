@@ -21,7 +21,9 @@ when the batch changes (Thinking Machines, 2025), without any leak.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
+from kvfence.audit.alpha import fisher_repeats_for
 from kvfence.audit.base import AuditContext, Check, CheckResult, JSONValue, Verdict
 from kvfence.audit.noninterference_probes import Load, NoninterferenceConfig, Probes, Tally
 from kvfence.audit.stats import DivergenceTest, divergence_excess
@@ -68,11 +70,15 @@ class NoninterferenceCheck(Check):
 
     def run(self, ctx: AuditContext, target: Target) -> CheckResult:
         """B's references -> B's repeats alone -> B's repeats under A's load -> Fisher test."""
-        cfg = self.config
         client_a, client_b = ctx.client(target, "a"), ctx.client(target, "b")
         target.facts(client_a)
         facts = target.facts(client_b)
-        lengths, how = probe_lengths(cfg, facts, ctx.context_override)
+        lengths, how = probe_lengths(self.config, facts, ctx.context_override)
+        # The share of --alpha is split over len(lengths) + 1 tests; repeats grow until a
+        # probe that diverges every time under load and never alone can reach it.
+        alpha = self.config.alpha or ctx.alpha_for(self.name)
+        repeats = fisher_repeats_for(alpha / (len(lengths) + 1), self.config.repeats)
+        cfg = replace(self.config, alpha=alpha, repeats=repeats)
         rng = random.Random(ctx.rng.random())
         lo, hi = cfg.token_range
         all_prompts = [[rng.randrange(lo, hi) for _ in range(n)] for n in lengths]
@@ -93,6 +99,8 @@ class NoninterferenceCheck(Check):
         result.evidence["probe_tokens"] = [len(p) for p in probes.prompts]
         result.evidence["probe_lengths_from"] = how
         result.evidence["dropped_probes"] = probes.dropped
+        result.alpha, p = alpha, result.evidence.get("p_value")
+        result.p_value = p if isinstance(p, float) else None
         return result
 
     def _verdict(
@@ -173,7 +181,8 @@ def _fisher(
     # One pooled test plus one per probe (interference may hit only the long
     # probe); Bonferroni keeps the family's false-alarm rate at alpha.
     probes = sorted(alone.per_probe.keys() & loaded.per_probe.keys())
-    per_test_alpha = cfg.alpha / (len(probes) + 1)
+    alpha = cfg.alpha or 0.0  # set by run()
+    per_test_alpha = alpha / (len(probes) + 1)
     pooled = divergence_excess(alone.diverged, alone.total, loaded.diverged, loaded.total)
     per_probe = {
         i: divergence_excess(
@@ -186,8 +195,9 @@ def _fisher(
     }
     evidence["fisher_p_value"] = pooled.p_value
     evidence["fisher_p_value_per_probe"] = {str(i): t.p_value for i, t in per_probe.items()}
-    evidence["alpha"] = cfg.alpha
+    evidence["alpha"] = alpha
     evidence["alpha_per_test"] = per_test_alpha
     hits = [(-1, pooled), *per_probe.items()]
     worst_i, worst_t = min(hits, key=lambda it: it[1].p_value)
+    evidence["p_value"] = min(1.0, worst_t.p_value * len(hits))  # Bonferroni-adjusted
     return worst_i, worst_t, per_test_alpha

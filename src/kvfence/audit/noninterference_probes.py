@@ -37,13 +37,13 @@ class NoninterferenceConfig:
     load_concurrency: int = 3
     load_tokens: int = 192
     load_max_tokens: int = 16
-    alpha: float = 1e-3
+    alpha: float | None = None  # None: the audit's share (AuditContext.alpha_for)
     token_range: tuple[int, int] = (100, 500)
 
     def __post_init__(self) -> None:
         if min(self.probes, self.probe_tokens, self.max_tokens, self.repeats) < 1:
             raise ValueError("probes, probe_tokens, max_tokens and repeats must be >= 1")
-        if self.load_concurrency < 1 or not 0 < self.alpha < 1:
+        if self.load_concurrency < 1 or not 0 < (self.alpha or 0.5) < 1:
             raise ValueError("need load_concurrency >= 1 and 0 < alpha < 1")
 
 

@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import replace
 
 from kvfence.audit import premises
+from kvfence.audit.alpha import sequential_design_for
 from kvfence.audit.base import (
     AuditContext,
     Check,
@@ -62,19 +64,20 @@ class PrefixSharingCheck(Check):
 
     def __init__(self, config: PrefixSharingConfig | None = None) -> None:
         self.config = config or PrefixSharingConfig()
+        self.own_alpha = config is not None  # an explicit design keeps its alpha
 
     def run(self, ctx: AuditContext, target: Target) -> CheckResult:
-        cfg = self.config
         client_a, client_b = ctx.client(target, "a"), ctx.client(target, "b")
         facts = target.facts(client_a)
         target.facts(client_b)
-        prefix_len, how = prefix_length(cfg, facts, ctx.context_override)
+        prefix_len, how = prefix_length(self.config, facts, ctx.context_override)
         if prefix_len is None:
             return self.result(target, Verdict.INCONCLUSIVE, how, {"facts": facts.to_json()})
         rng = random.Random(ctx.rng.random())
-        probe = TrialProbe(cfg, rng, client_a, client_b, prefix_len)
         cache, salt = premises.prefix_cache(facts), premises.salt_support(facts)
-        runs, not_run = premises.prefix_runs(cfg.salt, cache, salt, rng)
+        runs, not_run = premises.prefix_runs(self.config.salt, cache, salt, rng)
+        cfg = self._sized(ctx, len(runs))
+        probe = TrialProbe(cfg, rng, client_a, client_b, prefix_len)
         evidence: dict[str, JSONValue] = {
             "prefix_tokens": prefix_len,
             "prefix_length_from": how,
@@ -87,27 +90,36 @@ class PrefixSharingCheck(Check):
         summaries: list[str] = []
         plots: list[Plot] = []
         for label, salt_a, salt_b in runs:
-            v, s, plot = self._one_run(ctx, probe, cache, (label, salt_a, salt_b), evidence)
+            v, s, plot = self._one_run(ctx, cfg, probe, cache, (label, salt_a, salt_b), evidence)
             verdicts.append(v)
             summaries.append(f"{label}: {s}")
             plots.append(plot)
         summaries += [f"{label}: not run — {why}" for label, why in not_run.items()]
-        verdict = worst(verdicts)
-        evidence["requests"] = sum(
-            int(e["requests"]) for k, e in evidence.items() if k in ("unsalted", "salted")
-        )
-        return self.result(target, verdict, "; ".join(summaries), evidence, plots)
+        ran = [evidence[k] for k in ("unsalted", "salted") if k in evidence]
+        evidence["requests"] = sum(int(e["requests"]) for e in ran)
+        out = self.result(target, worst(verdicts), "; ".join(summaries), evidence, plots)
+        adjusted = [e["ks"]["adjusted_p_value"] for e in ran if "ks" in e]
+        out.p_value = min(1.0, min(adjusted) * len(runs)) if adjusted else None
+        out.alpha = cfg.design.alpha * max(1, len(runs))
+        return out
+
+    def _sized(self, ctx: AuditContext, n_runs: int) -> PrefixSharingConfig:
+        """The audit's share, split over the runs, in a design that can reach it."""
+        if self.own_alpha:  # an explicit design keeps its alpha
+            return self.config
+        share = ctx.alpha_for(self.name) / max(1, n_runs)
+        return replace(self.config, design=sequential_design_for(self.config.design, share))
 
     def _one_run(
         self,
         ctx: AuditContext,
+        cfg: PrefixSharingConfig,
         probe: TrialProbe,
         cache: premises.Premise,
         run: tuple[str, str | None, str | None],
         evidence: dict[str, JSONValue],
     ) -> tuple[Verdict, str, Plot]:
         """One run (unsalted or salted): trials -> verdict, its evidence under its label."""
-        cfg = self.config
         label, salt_a, salt_b = run
         ctx.progress(f"prefix sharing ({label})", 0.0)
         arms, seq = run_arms(probe, cfg, salt_a, salt_b, _progress(ctx, label))

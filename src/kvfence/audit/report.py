@@ -6,7 +6,8 @@ bumps the number):
   counts{pass, fail, inconclusive, skipped, not_applicable}, requests_sent, settings{...},
   checks[...], targets[{url, engine, detected_by, facts, error, requests_sent}],
   results[{check, target, verdict, summary, evidence, requests_sent,
-           duration_s, plots[{kind, title, x_label, y_label, series, note}]}]
+           duration_s, p_value, alpha (statistical checks; else null),
+           plots[{kind, title, x_label, y_label, series, note}]}]
 
 The HTML page (report_html.py, plots in report_svg.py) is self-contained: inline CSS and SVG, no script,
 no external asset.
@@ -22,7 +23,7 @@ from rich.table import Table
 
 from kvfence import __version__
 from kvfence.audit.base import CheckResult, JSONValue, Verdict
-from kvfence.audit.report_html import SCHEMA, to_html, write_html
+from kvfence.audit.report_html import SCHEMA, significance, to_html, write_html
 from kvfence.audit.report_svg import COLOURS, PALETTE, render_plot
 from kvfence.audit.runbook import AuditRun
 
@@ -32,6 +33,7 @@ __all__ = [
     "SCHEMA",
     "print_summary",
     "render_plot",
+    "significance",
     "to_html",
     "to_json",
     "to_junit",
@@ -149,7 +151,7 @@ def print_summary(run: AuditRun, console: Console, fail_on_inconclusive: bool = 
         how = t.detected_by or t.error or ""
         console.print(f"[bold]{t.url}[/] — {t.engine or 'unidentified'} ({how})")
     table = Table(title="kvfence audit", show_lines=False)
-    for col in ("target", "check", "verdict", "requests", "time", "summary"):
+    for col in ("target", "check", "verdict", "requests", "time", "p (alpha)", "summary"):
         table.add_column(col, overflow="fold", no_wrap=col in ("verdict", "check"))
     for r in run.results:
         style = RICH_STYLES[r.verdict.value]
@@ -159,6 +161,7 @@ def print_summary(run: AuditRun, console: Console, fail_on_inconclusive: bool = 
             f"[{style}]{r.verdict.value.upper()}[/]",
             str(r.requests_sent),
             f"{r.duration_s:.1f}s",
+            significance(r),
             r.summary,
         )
     console.print(table)

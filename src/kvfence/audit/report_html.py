@@ -26,6 +26,14 @@ svg .ax{stroke:#57606a} svg .grid{stroke:#eaeef2} svg .tick{font-size:11px;fill:
 """
 
 
+def significance(r: CheckResult) -> str:
+    """A statistical check's p-value and the alpha it was judged at ("" for the others)."""
+    if r.alpha is None:
+        return ""
+    p = "n/a" if r.p_value is None else f"{r.p_value:.2g}"
+    return f"{p} ({r.alpha:.2g})"
+
+
 def _badge(v: str) -> str:
     return f'<span class="v v-{v}">{html.escape(v)}</span>'
 
@@ -39,12 +47,13 @@ def to_html(run: AuditRun, fail_on_inconclusive: bool = True) -> str:
         f"<h1>kvfence audit {_badge(verdict)}</h1>",
         f"<p>{e(run.started_at)} · {len(run.targets)} target(s) · {run.requests_sent} requests · "
         f"{run.duration_s:.1f}s · exit code {run.exit_code(fail_on_inconclusive)} · schema {SCHEMA}</p>",
-        "<table><tr><th>target</th><th>check</th><th>verdict</th><th>requests</th><th>summary</th></tr>",
+        "<table><tr><th>target</th><th>check</th><th>verdict</th><th>requests</th>"
+        "<th>p (alpha)</th><th>summary</th></tr>",
     ]
     for r in run.results:
         parts.append(
             f"<tr><td>{e(r.target)}</td><td>{e(r.check)}</td><td>{_badge(r.verdict.value)}</td>"
-            f"<td>{r.requests_sent}</td><td>{e(r.summary)}</td></tr>"
+            f"<td>{r.requests_sent}</td><td>{e(significance(r))}</td><td>{e(r.summary)}</td></tr>"
         )
     parts.append("</table>")
     for t in run.targets:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from kvfence.audit.base import (
+    STATISTICAL_CHECKS,
     AuditContext,
     Budget,
     Check,
@@ -148,6 +149,7 @@ def run_audit(
     if unknown:
         raise ValueError(f"unknown check {unknown[0]!r}; choose from {', '.join(ALL_CHECKS)}")
     ordered = tuple(n for n in ALL_CHECKS if n in checks)
+    ctx.statistical = tuple(n for n in ordered if n in STATISTICAL_CHECKS)  # alpha's split
     started = datetime.now(UTC).isoformat(timespec="seconds")
     t0 = time.monotonic()
     summaries: list[TargetSummary] = []
@@ -187,6 +189,8 @@ def _settings(engine: str, ctx: AuditContext) -> dict[str, JSONValue]:
         "headroom": ctx.headroom,
         "context_override": ctx.context_override,
         "seed": ctx.seed,
+        "alpha": ctx.alpha,
+        "alpha_per_check": {n: ctx.alpha_for(n) for n in ctx.statistical},
         "max_requests": ctx.budget.max_requests,
         "max_seconds": ctx.budget.max_seconds,
     }

@@ -19,13 +19,14 @@ from kvfence.audit.base import AuditContext, Budget, CheckResult, Verdict, run_c
 from kvfence.audit.runbook import load_check
 from kvfence.audit.targets.base import Target, TargetFacts
 from kvfence.audit.targets.registry import make_target
+from kvfence.watch.budget import AlarmBudget
 from kvfence.watch.fingerprint import Fingerprint
 from kvfence.watch.metrics import WatchMetrics
-from kvfence.watch.probes import Makers, TimingWindow, canary_pair
+from kvfence.watch.probes import ROUND, Makers, TimingWindow, canary_pair
 
 log = logging.getLogger(__name__)
 FOREVER_S = 10 * 365 * 86400.0  # the watcher's budget is per minute, not per run
-PROBE_ROUND = 3 + 2 + 6  # timing probes + canary pair + the pair's tokenize/detokenize calls
+PROBE_ROUND = ROUND + 2 + 6  # timing probes + canary pair + the pair's tokenize/detokenize calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +43,11 @@ class GuardConfig:
     headroom: float = 1.25
     canary: bool = True
     timing: bool = True
+    false_alarms_per_30d: float = 1.0
+
+    @property
+    def budget(self) -> AlarmBudget:
+        return AlarmBudget(self.false_alarms_per_30d, self.interval_s)
 
 
 @dataclass(slots=True)
@@ -73,12 +79,14 @@ class TargetGuard:
         )
         self.rng = random.Random()
         self.fingerprint: Fingerprint | None = None
-        self.timing = TimingWindow()
+        self.timing = TimingWindow(config.budget.alpha)
         self.makers: Makers | None = None
         self.sent_at: deque[float] = deque()
         self.turn = 0
         self.last: Interval | None = None
         metrics.start(url)
+        metrics.budget.labels(url).set(config.false_alarms_per_30d)
+        metrics.timing_alpha.labels(url).set(self.timing.alpha)
 
     def cycle(self) -> Interval:
         sent0 = self.ctx.budget.sent
@@ -159,6 +167,8 @@ class TargetGuard:
             floor = result.evidence.get("alarm_threshold_s")
             if isinstance(floor, float):
                 self.metrics.prefill_floor.labels(self.url).set(floor)
+            if result.p_value is not None:
+                self.metrics.timing_p.labels(self.url).set(result.p_value)
             out.notes.append(f"timing window: {result.verdict.value}: {result.summary}")
             if alarm:
                 out.too_fast = True

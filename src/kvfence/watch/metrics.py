@@ -57,13 +57,31 @@ class WatchMetrics:
         )
         self.too_fast = Counter(
             "kvfence_guard_prefill_floor_violations",
-            "Intervals whose timing window failed the prefill-latency analysis (signal 3)",
+            "Intervals whose timing window failed the prefill-latency test (p < alpha; signal 3)",
             t,
             registry=r,
         )
         self.prefill_floor = Gauge(
             "kvfence_guard_prefill_floor_seconds",
             "The fitted prefill time below which a long prompt is flagged",
+            t,
+            registry=r,
+        )
+        self.timing_p = Gauge(
+            "kvfence_guard_prefill_p_value",
+            "p-value of the last timing window's test (H0: the long prompts were prefilled)",
+            t,
+            registry=r,
+        )
+        self.timing_alpha = Gauge(
+            "kvfence_guard_prefill_alpha",
+            "Per-test alpha of the timing test, derived from the false-alarm budget",
+            t,
+            registry=r,
+        )
+        self.budget = Gauge(
+            "kvfence_guard_false_alarm_budget_per_30d",
+            "False alarms per target per 30 days the operator allows (--false-alarms-per-30d)",
             t,
             registry=r,
         )
