@@ -112,6 +112,7 @@ def guard(tmp: Path, urls: list[str]) -> Iterator[str]:
         cmd += ["--target", u]
     cmd += ["--key-a", KEYS["a"], "--key-b", KEYS["b"], "--operator-key", OPERATOR]
     cmd += ["--interval", "1", "--requests-per-minute", "600", "--listen", "127.0.0.1:0"]
+    cmd += ["--max-target-share", "1"]  # three targets on 2 cores: no throttle, fast alerts
     log_path = tmp / "guard.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

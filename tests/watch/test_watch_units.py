@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -123,3 +124,24 @@ def test_timing_alarm_is_the_exact_test_at_the_budget_alpha() -> None:
         flat, paid = _window(lambda n, r: noise(r), seed), _window(real, seed)
         assert not flat.judge()[1]  # no prefill cost: never an alarm
         assert not paid.judge()[1]  # prefill paid: never an alarm
+
+
+def test_probe_rounds_stay_within_the_target_time_share() -> None:
+    from kvfence.watch.guard import GuardConfig, Keys, TargetGuard
+
+    config = GuardConfig(interval_s=60.0, max_target_share=0.02)
+    guard = TargetGuard(
+        "http://127.0.0.1:9", "kvfence", Keys(None, None, None), config, WatchMetrics()
+    )
+    try:
+        assert guard._share() == 0.0  # nothing spent yet: the first round runs
+        now = time.monotonic()
+        guard.busy.append((now, 1.0))  # 1 s over at least one 60 s interval: 1.7%
+        assert guard._share() < config.max_target_share
+        guard.busy.append((now, 1.0))  # 2 s: 3.3% > 2%, the next round is skipped
+        assert guard._share() > config.max_target_share
+        guard.busy.popleft()
+        guard.busy.appendleft((now - 400.0, 50.0))  # older than the window: forgotten
+        assert guard._share() < config.max_target_share
+    finally:
+        guard.close()

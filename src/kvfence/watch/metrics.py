@@ -110,7 +110,7 @@ SERIES: tuple[tuple[str, type[Gauge] | type[Counter], str, str, tuple[str, ...]]
         "skipped",
         Counter,
         "kvfence_guard_probes_skipped",
-        "Probe rounds skipped to stay within the request budget per minute",
+        "Probe rounds skipped to stay within the request budget per minute or the target-time share",
         TARGET,
     ),
     (
