@@ -83,13 +83,13 @@ def browser(page: Path, profile: Path, *mode: str) -> subprocess.CompletedProces
 
 def latency_log(path: Path, seed: int = 0) -> None:
     """A seeded vLLM-style request log (FinishedRequestStats fields): prefill cost linear in
-    length, and six long prompts answered as fast as a short one (a skipped prefill)."""
+    length, and ten long prompts answered as fast as a short one (a skipped prefill)."""
     rng = random.Random(seed)
     with path.open("w", encoding="utf-8") as f:
         for i in range(160):
             n = rng.randint(64, 4096)
             seconds = 0.004 + 25e-6 * n + rng.gauss(0, 0.0015)
-            if i % 25 == 7:  # long prompt, short-prompt time: the prefill was skipped
+            if i % 16 == 7:  # long prompt, short-prompt time: the prefill was skipped
                 n = rng.randint(3800, 4096)
                 seconds = 0.006 + rng.gauss(0, 0.0005)
             f.write(json.dumps({"num_prompt_tokens": n, "prefill_time": max(seconds, 1e-4)}))

@@ -143,3 +143,32 @@ def test_a_check_that_cannot_load_fails_the_audit_instead_of_skipping(
     passed = CheckResult("canary", "http://target", Verdict.PASS, "no sentinel leaked")
     run = runbook.AuditRun([], [passed, lost], ("canary", "latency"), "now", 0.0, 0)
     assert run.exit_code() == 2  # the deploy is blocked, not waved through
+
+
+def test_alpha_is_split_over_the_statistical_checks_of_the_run() -> None:
+    from kvfence.audit.base import AuditContext
+
+    ctx = AuditContext(alpha=1e-3)
+    assert ctx.alpha_for("latency") == pytest.approx(1e-3 / 3)
+    ctx.statistical = ("latency",)  # `--checks latency`: the whole alpha
+    assert ctx.alpha_for("latency") == pytest.approx(1e-3)
+    with pytest.raises(ValueError):
+        AuditContext(alpha=0.0)
+
+
+def test_designs_grow_until_their_most_extreme_outcome_reaches_alpha() -> None:
+    import math
+
+    from kvfence.audit.alpha import fisher_repeats_for, sequential_design_for
+    from kvfence.audit.latency import LatencyConfig, design_p_value
+
+    for alpha in (1e-3, 1e-6, 1e-9, 1e-12):
+        r = fisher_repeats_for(alpha, 1)
+        assert 1 / math.comb(2 * r, r) < alpha <= 1 / math.comb(2 * r - 2, r - 1)
+        d = sequential_design_for(SequentialDesign(batch=8, max_per_arm=24), alpha)
+        n = d.max_per_arm
+        assert d.alpha == alpha and 1 / math.comb(2 * n, n) < d.alpha_per_look
+        rep = LatencyConfig().repeats_for(alpha)
+        assert 2 * design_p_value(rep, rep, 4) < alpha <= 2 * design_p_value(rep - 1, rep - 1, 4)
+    assert fisher_repeats_for(1e-3, 8) == 8  # never below the configured repeats
+    assert LatencyConfig().repeats_for(1e-9 / 3) > LatencyConfig().repeats_for(1e-3 / 3)

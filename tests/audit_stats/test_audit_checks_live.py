@@ -207,25 +207,33 @@ def test_noninterference_passes_on_the_hardened_server(hardened: Server) -> None
     res = _run(hardened, NoninterferenceCheck(NoninterferenceConfig(repeats=5)))
     assert res.verdict is Verdict.PASS, res.summary
     assert res.evidence["load"]["ok"] > 0
-    assert res.evidence["under_load"]["answers"] == 4 * 5
+    # Repeats grow from 5 until a probe that always diverges under load could reach the
+    # check's share of alpha (5 could not: a pass there could not have been a fail).
+    assert res.evidence["repeats"] > 5
+    assert res.evidence["under_load"]["answers"] == 4 * res.evidence["repeats"]
     assert res.evidence["fisher_p_value"] >= 1e-3
 
 
 def test_prefill_latency_does_not_fail_on_the_hardened_server(hardened: Server) -> None:
-    cfg = LatencyConfig(repeats=4, points=5, min_tokens=16, max_tokens_cap=2048)
+    cfg = LatencyConfig(points=5, min_tokens=16, max_tokens_cap=2048)
     res = _run(hardened, LatencyCheck(cfg))
     # Honest prefill is never "too fast"; on a busy 2-core machine the noise may
     # hide the slope (inconclusive), but a fail would be a false alarm.
     assert res.verdict in (Verdict.PASS, Verdict.INCONCLUSIVE), res.summary
     assert res.verdict is not Verdict.FAIL
-    assert res.evidence["samples"] == 5 * 4
+    assert res.evidence["samples"] == 5 * res.evidence["sweep"]["repeats"]
+    assert res.alpha == pytest.approx(1e-3 / 3) and res.p_value is not None
     assert res.plots and res.plots[0].kind == "xy"
 
 
 def test_prefill_latency_fails_on_the_incident_reject_path(incident: Server) -> None:
-    cfg = LatencyConfig(repeats=4, points=5, min_tokens=16)
+    # The reject path here costs something of its own (4,095 tokens are still read and
+    # checked); the sweep's neighbour at half the limit (2,047 tokens, inside the pool)
+    # pays enough honest prefill that the exact test still tells them apart.
+    cfg = LatencyConfig(points=5, min_tokens=16)
     res = _run(incident, LatencyCheck(cfg))
     assert res.verdict is Verdict.FAIL, res.summary
+    assert res.p_value is not None and res.alpha is not None and res.p_value < res.alpha
     ev = res.evidence
     assert ev["sweep"]["lengths"][-1] == 4095  # the longest accepted prompt, past the pool
     assert ev["long_bucket"]["p5_s"] < ev["alarm_threshold_s"]
@@ -233,6 +241,30 @@ def test_prefill_latency_fails_on_the_incident_reject_path(incident: Server) -> 
     assert all(f["prompt_tokens"] > 2688 for f in ev["flagged"])
     flags = res.plots[0].series[0].flags
     assert any(flags)
+
+
+def test_audit_alpha_sizes_the_sweep_and_is_reported(incident: Server, tmp_path: Path) -> None:
+    """`kvfence audit --alpha 1e-6 --checks latency`: the one statistical check gets the whole
+    alpha, its sweep grows until a total skip can reach it, and the JSON says so."""
+    from click.testing import CliRunner
+
+    from kvfence.audit.cli import audit
+
+    out = tmp_path / "audit.json"
+    args = ["--target", incident.url, "--key-a", KEY_A, "--key-b", KEY_B]
+    args += ["--operator-key", KEY_OP, "--checks", "latency", "--alpha", "1e-6"]
+    args += ["--quiet", "--json", str(out)]
+    r = CliRunner().invoke(audit, args)
+    assert r.exit_code == 1, r.output
+    report = json.loads(out.read_text())
+    (res,) = report["results"]
+    assert res["verdict"] == "fail" and res["alpha"] == 1e-6 and res["p_value"] < 1e-6
+    assert res["evidence"]["sweep"]["repeats"] == LatencyConfig().repeats_for(1e-6) > 8
+    assert report["settings"]["alpha"] == 1e-6
+    assert res["requests_sent"] >= 5 * res["evidence"]["sweep"]["repeats"]
+    print(
+        f"\n--alpha 1e-6: latency fail at p = {res['p_value']:.2g}, {res['requests_sent']} requests"
+    )
 
 
 def test_noninterference_does_not_pass_on_the_incident(incident: Server) -> None:

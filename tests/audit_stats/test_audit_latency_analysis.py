@@ -20,16 +20,19 @@ from kvfence.audit.latency import (
 )
 
 LENGTHS = (16, 64, 256, 1024, 2048, 4096)
+# Probes per length: at alpha 1e-3 the exact test needs 19 long and 19 neighbour probes
+# (LatencyConfig().repeats_for(1e-3): a total skip reaches it with 4 probes to spare).
+REPEATS = 19
 
 
 def _sweep(
-    seed: int, *, placeholder_long: bool = False, slope: float = 5e-6
+    seed: int, *, placeholder_long: bool = False, slope: float = 5e-6, repeats: int = REPEATS
 ) -> list[LatencySample]:
     """TTFT = 4 ms + slope·tokens + noise; optionally the long bucket skips its prefill."""
     rng = np.random.default_rng(seed)
     out = []
     for n in LENGTHS:
-        for r in range(5):
+        for r in range(repeats):
             cost = 0.004 + slope * n + rng.normal(0, 2e-4)
             if placeholder_long and n == LENGTHS[-1]:
                 cost = 0.004 + slope * 1 + rng.normal(0, 2e-4)  # the 1-token placeholder
@@ -48,12 +51,53 @@ def test_long_prompts_answered_at_short_prompt_speed_fail_with_flagged_points() 
     res = analyse(_sweep(2, placeholder_long=True))
     assert res.verdict is Verdict.FAIL, res.summary
     assert {s.prompt_tokens for s in res.flagged} == {4096}
-    assert len(res.flagged) == 5
+    assert len(res.flagged) == REPEATS
+    assert res.p_value is not None and res.p_value < res.alpha == 1e-3
+    test = res.evidence["test"]
+    assert test[test["decided_by"]]["long_fast"] == REPEATS
     assert res.plot is not None
     points = res.plot.series[0]
-    assert sum(points.flags) == 5
+    assert sum(points.flags) == REPEATS
     assert res.plot.series[1].style == "line"
     json.dumps(res.evidence)  # evidence is JSON-serialisable
+
+
+def test_too_few_probes_for_alpha_is_inconclusive_and_says_how_many_would_do() -> None:
+    res = analyse(_sweep(2, placeholder_long=True, repeats=5))  # best p = 1/C(10,5) = 4e-3
+    assert res.verdict is Verdict.INCONCLUSIVE, res.summary
+    assert "19 long and 19 neighbour probes would" in res.summary
+    assert LatencyConfig().repeats_for(1e-3) == REPEATS
+
+
+def test_alpha_decides_and_the_verdict_carries_it() -> None:
+    leak = _sweep(5, placeholder_long=True)  # p = 2/C(38,19) = 5.7e-11
+    assert analyse(leak, LatencyConfig(alpha=1e-3)).verdict is Verdict.FAIL
+    strict = analyse(leak, LatencyConfig(alpha=1e-12))
+    assert strict.verdict is Verdict.INCONCLUSIVE and strict.alpha == 1e-12
+    assert (
+        analyse(_sweep(5, placeholder_long=True, repeats=26), LatencyConfig(alpha=1e-12)).verdict
+        is Verdict.FAIL
+    )
+
+
+def test_a_concave_cost_curve_is_not_too_fast() -> None:
+    """Prefill cost that saturates (batching under load, a GPU below its compute bound):
+    a line through the shorter lengths over-predicts the long ones so far that the old
+    rule (long below fit − half the predicted increment) fired; the test compares the
+    long prompts with their neighbour only, so it passes."""
+    rng = np.random.default_rng(7)
+    out = []
+    for n in LENGTHS:
+        for _ in range(REPEATS):
+            cost = 0.004 + 0.03 * (1 - np.exp(-n / 700)) + abs(rng.normal(0, 3e-4))
+            out.append(LatencySample(n, float(cost)))
+    res = analyse(out)
+    assert res.verdict is Verdict.PASS, res.summary
+    assert res.fit is not None
+    pred_long, pred_short = (float(res.fit.predict(n)) for n in (4096, 16))
+    old_floor = pred_long - 0.5 * (pred_long - pred_short)
+    longs = [s.seconds for s in out if s.prompt_tokens == 4096]
+    assert sum(t < old_floor for t in longs) >= 4  # the old p5 rule would have failed it
 
 
 def test_unmeasurable_prefill_cost_is_inconclusive_not_pass() -> None:
@@ -194,3 +238,21 @@ def test_latency_command_exit_codes(tmp_path: Path) -> None:
     assert "too fast" in r.output
     r = runner.invoke(latency_command, ["--from-log", str(empty)])
     assert r.exit_code == 2, r.output
+
+
+def test_false_alarm_rate_is_at_most_alpha_at_the_edge_of_h0() -> None:
+    """The worst case H0 allows: the long prompts cost exactly what their neighbours do
+    (a saturated cost curve), under heavy-tailed load noise. At alpha 0.05 the test may
+    fail at most 5% of honest sweeps (binomial margin for 400 runs: < 9%)."""
+    rng = np.random.default_rng(11)
+    cfg = LatencyConfig(alpha=0.05)
+    fails = 0
+    for _ in range(400):
+        out = []
+        for n in (16, 64, 256, 1024, 1025):  # 1024 and 1025 tokens: the same cost
+            for _ in range(8):
+                cost = 0.004 + 1e-5 * min(n, 1024) + float(rng.exponential(2e-3))
+                out.append(LatencySample(n, cost))
+        fails += analyse(out, cfg).verdict is Verdict.FAIL
+    assert fails <= 36, fails
+    print(f"\nfalse alarms at alpha 0.05: {fails}/400")

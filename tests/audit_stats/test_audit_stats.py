@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -208,3 +210,37 @@ def test_divergence_excess_validation() -> None:
         divergence_excess(3, 2, 0, 1)
     with pytest.raises(ValueError):
         divergence_excess(0, 0, 0, 1)
+
+
+def test_hypergeometric_tail_matches_scipy_and_brute_force() -> None:
+    from itertools import combinations
+
+    from scipy.stats import hypergeom
+
+    from kvfence.audit.stats import hypergeom_upper_tail
+
+    for total, marked, drawn in ((10, 4, 5), (24, 9, 8), (48, 16, 16), (7, 0, 3), (7, 7, 3)):
+        for k in range(0, drawn + 2):
+            want = float(hypergeom.sf(k - 1, total, marked, drawn))
+            assert hypergeom_upper_tail(k, total, marked, drawn) == pytest.approx(want, rel=1e-9)
+    # Brute force: every way to draw 4 of 9 items of which the first 4 are marked.
+    draws = list(combinations(range(9), 4))
+    for k in range(6):
+        share = sum(sum(i < 4 for i in d) >= k for d in draws) / len(draws)
+        assert hypergeom_upper_tail(k, 9, 4, 4) == pytest.approx(share, rel=1e-12)
+    # Exact where floating point is not: 1 / C(64, 32) ~ 5.5e-19.
+    assert hypergeom_upper_tail(32, 64, 32, 32) == pytest.approx(1 / math.comb(64, 32))
+
+
+def test_fast_excess_is_fishers_one_sided_test() -> None:
+    from scipy.stats import fisher_exact
+
+    from kvfence.audit.stats import fast_excess, min_p_value
+
+    for lf, lt, rf, rt in ((9, 9, 0, 9), (5, 8, 2, 8), (0, 8, 6, 8), (3, 16, 1, 16)):
+        res = fast_excess(lf, lt, rf, rt)
+        want = fisher_exact([[lf, lt - lf], [rf, rt - rf]], alternative="greater").pvalue
+        assert res.p_value == pytest.approx(float(want), rel=1e-9)
+        assert res.min_p_value == min_p_value(lt, rt) == pytest.approx(1 / math.comb(lt + rt, lt))
+    with pytest.raises(ValueError):
+        fast_excess(3, 2, 0, 4)

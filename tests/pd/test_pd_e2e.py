@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -179,8 +180,17 @@ def test_malformed_control_message_is_refused_not_fatal(pd_checkpoint: Path) -> 
         assert status is not None and status.refused_messages == 3
 
 
-def test_serve_disaggregated_command(pd_checkpoint: Path) -> None:
-    """`kvfence serve --disaggregated`: children on loopback, a real request, Ctrl-C stops them all."""
+def _running(pattern: str) -> int:
+    """How many processes have `pattern` in their command line."""
+    out = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout
+    return len(out.split())
+
+
+def test_serve_disaggregated_command(pd_checkpoint: Path, tmp_path: Path) -> None:
+    """`kvfence serve --disaggregated`: children on loopback, a real request, Ctrl-C stops them all.
+
+    The supervisor hands each worker its spec as a file in its temporary folder (under
+    TMPDIR, here tmp_path), so every child's command line names tmp_path."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -197,6 +207,7 @@ def test_serve_disaggregated_command(pd_checkpoint: Path) -> None:
             "--transport",
             "shm",
         ],
+        env={**os.environ, "TMPDIR": str(tmp_path)},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -230,16 +241,13 @@ def test_serve_disaggregated_command(pd_checkpoint: Path) -> None:
             f"{url}/server_info", headers={"Authorization": f"Bearer {key}"}, timeout=30
         ).json()
         assert info["disaggregated"] and info["transport"] == "shm"
+        assert _running(f"kvfence.serve.pd.worker_entry {tmp_path}") == 2  # prefill + decode
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     assert "stopping" in out
-    assert (
-        subprocess.run(
-            ["pgrep", "-f", "--", f"--model {pd_checkpoint}"], capture_output=True
-        ).returncode
-        == 1
-    )
+    assert _running(f"--model {pd_checkpoint}") == 0
+    assert _running(str(tmp_path)) == 0
 
 
 def test_serve_disaggregated_no_auth(pd_checkpoint: Path) -> None:

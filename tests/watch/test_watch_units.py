@@ -5,17 +5,21 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from kvfence.audit.base import CheckResult, Fact, Verdict
-from kvfence.audit.latency import LatencySample
+from kvfence.audit.latency import LatencySample, design_p_value
 from kvfence.audit.targets.base import TargetFacts
+from kvfence.watch.budget import AlarmBudget
 from kvfence.watch.cli import parse_listen, verdict_of
 from kvfence.watch.fingerprint import Fingerprint
 from kvfence.watch.guard import Interval
 from kvfence.watch.metrics import WatchMetrics
-from kvfence.watch.probes import TimingWindow
+from kvfence.watch.probes import MIN_ROUNDS, ROUND, SLACK, TimingWindow, window_rounds
 
 
 def facts(pool: int | None, faults: str = "none") -> TargetFacts:
@@ -70,27 +74,74 @@ def test_dashboard_and_rules_name_only_metrics_that_exist() -> None:
     assert len(dash["panels"]) >= 10
 
 
-def _window(seconds_of: Callable[[int, random.Random], float], seed: int = 0) -> TimingWindow:
+ALPHA_1S = AlarmBudget(1.0, 1.0).alpha  # the Prometheus test's interval: ~3.9e-7 per test
+
+
+def _window(
+    seconds_of: Callable[[int, random.Random], float], seed: int = 0, rounds: int = 40
+) -> TimingWindow:
+    """The rounds the guard sends: longest and neighbour twice, one shorter in rotation."""
     rng = random.Random(seed)
-    w = TimingWindow()
-    for n in (16, 38, 90, 214, 511) * 6:
-        w.samples.append(LatencySample(n, seconds_of(n, rng), "ttft", f"{n}"))
+    w = TimingWindow(ALPHA_1S)
+    assert w.samples.maxlen == ROUND * window_rounds(ALPHA_1S) >= ROUND * rounds
+    others = (16, 38, 90)
+    for i in range(rounds):
+        for n in (511, 214, 511, 214, others[i % 3]):
+            w.samples.append(LatencySample(n, seconds_of(n, rng), "ttft", f"{n}"))
     return w
 
 
-def test_timing_alarm_needs_established_physics_and_two_failing_windows() -> None:
-    def noise(rng: random.Random) -> float:
-        return 0.05 + rng.expovariate(1 / 0.02)  # load only ever adds delay
+def test_the_budget_sets_each_tests_alpha_by_the_union_bound() -> None:
+    assert AlarmBudget(1.0, 60.0).alpha == pytest.approx(1 / 43200)
+    assert AlarmBudget(3.0, 1.0).alpha == pytest.approx(3 / 2_592_000)
+    assert "alpha 2.3e-05 per test" in AlarmBudget().describe()
+    with pytest.raises(ValueError):
+        AlarmBudget(0.0, 60.0)
+    # The window is big enough that a total skip reaches the alpha with SLACK probes to spare,
+    # and grows with -log alpha.
+    rounds = window_rounds(ALPHA_1S)
+    assert rounds >= MIN_ROUNDS and 2 * design_p_value(2 * rounds, 2 * rounds, SLACK) < ALPHA_1S
+    assert design_p_value(2 * MIN_ROUNDS, 2 * MIN_ROUNDS, SLACK) >= 1e-30
+    assert window_rounds(1e-30) > MIN_ROUNDS
 
-    def real(n: int, rng: random.Random) -> float:
-        return 0.2e-3 * n + noise(rng)
+
+def test_timing_alarm_is_the_exact_test_at_the_budget_alpha() -> None:
+    def noise(rng: random.Random, scale: float = 0.02) -> float:
+        return 0.05 + rng.expovariate(1 / scale)  # load only ever adds delay
+
+    def real(n: int, rng: random.Random, scale: float = 0.02) -> float:
+        return 0.2e-3 * n + noise(rng, scale)
 
     def skipped(n: int, rng: random.Random) -> float:  # the lab: over-pool = 1-token placeholder
-        return real(1 if n > 336 else n, rng)
+        return real(1 if n > 336 else n, rng, 0.005)
 
-    lab = _window(skipped)
-    assert lab.judge()[1] is False and lab.judge()[1] is True  # the second failing window
-    for seed in range(20):
+    result, alarm = _window(skipped).judge()
+    assert alarm, result.summary  # one window is enough: no streak rule
+    assert result.p_value is not None and result.p_value < ALPHA_1S == result.alpha
+    young, alarm = _window(skipped, rounds=4).judge()  # best p 1/C(16, 8): cannot page yet
+    assert not alarm and young.verdict is Verdict.INCONCLUSIVE, young.summary
+    for seed in range(20):  # heavy load noise (mean 20 ms over a 4-100 ms prefill)
         flat, paid = _window(lambda n, r: noise(r), seed), _window(real, seed)
-        assert not any(flat.judge()[1] for _ in range(3))  # no prefill cost: never an alarm
-        assert not any(paid.judge()[1] for _ in range(3))  # prefill paid: never an alarm
+        assert not flat.judge()[1]  # no prefill cost: never an alarm
+        assert not paid.judge()[1]  # prefill paid: never an alarm
+
+
+def test_probe_rounds_stay_within_the_target_time_share() -> None:
+    from kvfence.watch.guard import GuardConfig, Keys, TargetGuard
+
+    config = GuardConfig(interval_s=60.0, max_target_share=0.02)
+    guard = TargetGuard(
+        "http://127.0.0.1:9", "kvfence", Keys(None, None, None), config, WatchMetrics()
+    )
+    try:
+        assert guard._share() == 0.0  # nothing spent yet: the first round runs
+        now = time.monotonic()
+        guard.busy.append((now, 1.0))  # 1 s over at least one 60 s interval: 1.7%
+        assert guard._share() < config.max_target_share
+        guard.busy.append((now, 1.0))  # 2 s: 3.3% > 2%, the next round is skipped
+        assert guard._share() > config.max_target_share
+        guard.busy.popleft()
+        guard.busy.appendleft((now - 400.0, 50.0))  # older than the window: forgotten
+        assert guard._share() < config.max_target_share
+    finally:
+        guard.close()

@@ -34,11 +34,16 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Literal
 
+from kvfence.audit.budget import Budget, BudgetExhausted
+
 if TYPE_CHECKING:
     from kvfence.audit.client import ProbeClient
     from kvfence.audit.targets.base import Target
 
 DEFAULT_HEADROOM = 1.25
+DEFAULT_ALPHA = 1e-3  # family-wise false-alarm rate of one audit, per target
+# The checks that decide by a p-value; `--alpha` is split over those a run includes.
+STATISTICAL_CHECKS = ("noninterference", "latency", "prefix_sharing")
 Tenant = Literal["a", "b"]
 JSONValue = Any  # a value json.dumps accepts (dict/list/str/int/float/bool/None)
 
@@ -189,6 +194,8 @@ class CheckResult:
     requests_sent: int = 0
     duration_s: float = 0.0
     plots: list[Plot] = field(default_factory=list)
+    p_value: float | None = None  # statistical checks: the test's p-value ...
+    alpha: float | None = None  # ... and the level it was judged at (the check's share)
 
     def to_json(self) -> dict[str, JSONValue]:
         return {
@@ -199,55 +206,10 @@ class CheckResult:
             "evidence": self.evidence,
             "requests_sent": self.requests_sent,
             "duration_s": round(self.duration_s, 4),
+            "p_value": self.p_value,
+            "alpha": self.alpha,
             "plots": [p.to_json() for p in self.plots],
         }
-
-
-class BudgetExhausted(RuntimeError):
-    """The audit's hard cap on requests or time was reached; the check is inconclusive."""
-
-
-class Budget:
-    """Hard caps on how many requests the audit sends and for how long (thread-safe).
-
-    Every HTTP request the audit makes is charged here *before* it is sent;
-    once a cap is reached `charge` raises `BudgetExhausted` and nothing more
-    is sent.
-    """
-
-    def __init__(self, max_requests: int = 5000, max_seconds: float = 900.0) -> None:
-        if max_requests < 1 or max_seconds <= 0:
-            raise ValueError("budget caps must be positive")
-        self.max_requests = max_requests
-        self.max_seconds = max_seconds
-        self._sent = 0
-        self._started = time.monotonic()
-        self._lock = threading.Lock()
-
-    @property
-    def sent(self) -> int:
-        return self._sent
-
-    @property
-    def elapsed_s(self) -> float:
-        return time.monotonic() - self._started
-
-    @property
-    def remaining_s(self) -> float:
-        return max(0.0, self.max_seconds - self.elapsed_s)
-
-    def charge(self, n: int = 1) -> None:
-        """Account for `n` requests about to be sent; raise when a cap is reached."""
-        with self._lock:
-            if self._sent + n > self.max_requests:
-                raise BudgetExhausted(f"request budget of {self.max_requests} exhausted")
-            if self.elapsed_s >= self.max_seconds:
-                raise BudgetExhausted(f"time budget of {self.max_seconds:.0f} s exhausted")
-            self._sent += n
-
-    def timeout_for(self, wanted_s: float) -> float:
-        """A per-request timeout that never runs past the time budget."""
-        return max(0.001, min(wanted_s, self.remaining_s))
 
 
 ProgressFn = Callable[[str, float | None], None]
@@ -270,6 +232,10 @@ class AuditContext:
       from `rng` so a run is reproducible.
     - `progress(message, fraction_or_None)`: report long work; cheap to call.
     - `request_timeout_s`: per request, further capped by the budget's time.
+    - `alpha`: the family-wise false-alarm rate per target; `statistical` the
+      statistical checks this run includes. `alpha_for(check)` is one check's
+      Bonferroni share, so the chance that any of them fails an honest target
+      is at most `alpha` whatever the dependence between them.
     """
 
     key_a: str | None = None
@@ -282,6 +248,8 @@ class AuditContext:
     progress: ProgressFn = _no_progress
     quiet: bool = False
     request_timeout_s: float = 120.0
+    alpha: float = DEFAULT_ALPHA
+    statistical: tuple[str, ...] = STATISTICAL_CHECKS
     rng: random.Random = field(init=False)
     _clients: dict[tuple[str, str], ProbeClient] = field(init=False, default_factory=dict)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
@@ -289,7 +257,13 @@ class AuditContext:
     def __post_init__(self) -> None:
         if self.headroom < 1.0:
             raise ValueError(f"headroom must be >= 1, got {self.headroom}")
+        if not 0 < self.alpha < 1:
+            raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
         self.rng = random.Random(self.seed)
+
+    def alpha_for(self, check: str) -> float:
+        """`check`'s share of the family-wise alpha (Bonferroni over the run's statistical checks)."""
+        return self.alpha / max(1, len(set(self.statistical) & set(STATISTICAL_CHECKS)))
 
     def key(self, tenant: Tenant) -> str | None:
         return self.key_a if tenant == "a" else self.key_b

@@ -126,7 +126,28 @@ class BoundaryCheck(Check):
             evidence["limit_most"] = most.to_json()
         rungs = ladder(lim, facts, most.as_int() if most is not None else None)
         maker = PromptMaker(client, ctx.rng, use_tokenize=facts.tokenizer.value == "/tokenize")
-        mirror = is_mirror(facts)
+        verdicts, rows, mirror = self._climb(ctx, client, maker, rungs, is_mirror(facts))
+        evidence["rungs"] = rows
+        evidence["echo_model"] = mirror
+        verdict = worst(verdicts)
+        bad = [r for r in rows if r["verdict"] != Verdict.PASS.value]
+        summary = (
+            f"{len(rows)} rungs around limit {lim:,}: all answered correctly"
+            if not bad
+            else "; ".join(f"{r['rung']} ({r['tokens']} tok): {r['detail']}" for r in bad)
+        )
+        plot = ladder_plot(rows, f"limit {lim} from {limit.source}")
+        return self.result(target, verdict, summary, evidence, [plot])
+
+    def _climb(
+        self,
+        ctx: AuditContext,
+        client: ProbeClient,
+        maker: PromptMaker,
+        rungs: list[Rung],
+        mirror: bool,
+    ) -> tuple[list[Verdict], list[dict[str, Any]], bool]:
+        """Every rung in order: (verdicts, rows, whether the server echoes its prompt)."""
         rows: list[dict[str, Any]] = []
         verdicts: list[Verdict] = []
         for i, rung in enumerate(rungs):
@@ -137,32 +158,7 @@ class BoundaryCheck(Check):
                 mirror = True
             verdicts.append(verdict)
             rows.append(row)
-        evidence["rungs"] = rows
-        evidence["echo_model"] = mirror
-        verdict = worst(verdicts)
-        bad = [r for r in rows if r["verdict"] != Verdict.PASS.value]
-        summary = (
-            f"{len(rows)} rungs around limit {lim:,}: all answered correctly"
-            if not bad
-            else "; ".join(f"{r['rung']} ({r['tokens']} tok): {r['detail']}" for r in bad)
-        )
-        plot = Plot(
-            kind="ladder",
-            title="Boundary ladder: HTTP status by prompt length",
-            x_label="prompt tokens",
-            y_label="HTTP status",
-            series=[
-                PlotSeries(
-                    name="rungs",
-                    x=[float(r["tokens"]) for r in rows],
-                    y=[float(r["status"] or 0) for r in rows],
-                    labels=[f"{r['rung']} ({r['expect']})" for r in rows],
-                    flags=[r["verdict"] != Verdict.PASS.value for r in rows],
-                )
-            ],
-            note=f"limit {lim} from {limit.source}",
-        )
-        return self.result(target, verdict, summary, evidence, [plot])
+        return verdicts, rows, mirror
 
     def _probe(
         self, client: ProbeClient, maker: PromptMaker, rung: Rung, mirror: bool
@@ -232,3 +228,22 @@ def ladder(limit: int, facts: TargetFacts, most: int | None = None) -> list[Rung
             for r in rungs
         ]
     return rungs
+
+
+def ladder_plot(rows: list[dict[str, Any]], note: str) -> Plot:
+    return Plot(
+        kind="ladder",
+        title="Boundary ladder: HTTP status by prompt length",
+        x_label="prompt tokens",
+        y_label="HTTP status",
+        series=[
+            PlotSeries(
+                name="rungs",
+                x=[float(r["tokens"]) for r in rows],
+                y=[float(r["status"] or 0) for r in rows],
+                labels=[f"{r['rung']} ({r['expect']})" for r in rows],
+                flags=[r["verdict"] != Verdict.PASS.value for r in rows],
+            )
+        ],
+        note=note,
+    )

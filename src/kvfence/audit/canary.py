@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfence.audit.base import AuditContext, Check, CheckResult, Verdict
-from kvfence.audit.client import ProbeResponse
+from kvfence.audit.client import ProbeClient, ProbeResponse
 from kvfence.audit.probe_length import OverLong, TokenCounter, over_bound
 from kvfence.audit.prompts import Prompt, PromptMaker, make_sentinel, random_words
 from kvfence.audit.targets.base import Target, TargetFacts
@@ -94,6 +94,7 @@ class CanaryCheck(Check):
     )
 
     def run(self, ctx: AuditContext, target: Target) -> CheckResult:
+        """plant A's sentinels -> B probes after each A request -> B probes alongside A -> search."""
         a = ctx.client(target, "a")
         b = ctx.client(target, "b")
         facts = target.facts(a)
@@ -102,80 +103,22 @@ class CanaryCheck(Check):
         if limit is None:
             return self.result(target, Verdict.INCONCLUSIVE, "input limit unknown")
         tokenize = facts.tokenizer.value == "/tokenize"
-        maker_a = PromptMaker(a, ctx.rng, use_tokenize=tokenize)
-        maker_b = PromptMaker(b, ctx.rng, use_tokenize=tokenize)
         a_lengths, b_lengths = plan_lengths(limit, facts)
-        planted: list[Planted] = []
-        a_prompts: list[Prompt] = []
+        plan = _Plan(b_lengths)
+        maker_a = PromptMaker(a, ctx.rng, use_tokenize=tokenize)
         for n in a_lengths:
             sentinel = make_sentinel(ctx.rng)
-            p = maker_a.make(n, head=sentinel, repeat_head=True)
-            if p is None:
+            pa = maker_a.make(n, head=sentinel, repeat_head=True)
+            if pa is None:
                 return self.result(target, Verdict.INCONCLUSIVE, "could not build A's prompts")
-            planted.append(Planted(sentinel, self._fragments(maker_a, sentinel), p.tokens))
-            a_prompts.append(p)
-        b_prompts, probes = self._b_prompts(ctx, maker_b, b_lengths, facts)
-        if b_prompts is None:
+            plan.planted.append(Planted(sentinel, self._fragments(maker_a, sentinel), pa.tokens))
+            plan.a_prompts.append(pa)
+        maker_b = PromptMaker(b, ctx.rng, use_tokenize=tokenize)
+        if not plan.make_b(ctx, maker_b, facts):
             return self.result(target, Verdict.INCONCLUSIVE, "could not build B's prompts")
-        observed: list[Observed] = []
-        total = len(a_prompts) * (1 + len(b_prompts)) * 2
-        done = 0
-        # Sequential: each A request completes, then B probes the freed pages — over-long
-        # probes first, while the pages still hold A's KV (a short B request would reuse them
-        # first: seen through sglang-router, where it hid the leak of the over-pool probe).
-        sequential = sorted(
-            zip(b_lengths, b_prompts, strict=True), key=lambda lp: not lp[0][1].startswith("over")
-        )
-        for i, (pa, pl) in enumerate(zip(a_prompts, planted, strict=True)):
-            pl.response = a.completion(pa.payload, max_tokens=A_MAX_TOKENS)
-            for (_, label), pb in sequential:
-                stream = label.startswith("over") and i % 2 == 1
-                r = b.completion(pb.payload, max_tokens=B_MAX_TOKENS, stream=stream)
-                observed.append(
-                    Observed(f"sequential after A#{i}: B {label}", r, list(range(i + 1)))
-                )
-                done += 1
-                ctx.progress("canary (sequential)", done / total)
-        # Interleaved: A and B at once.
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            futs_a = [
-                pool.submit(a.completion, pa.payload, max_tokens=A_MAX_TOKENS, stream=True)
-                for pa in a_prompts
-            ]
-            futs_b = [
-                (label, pool.submit(b.completion, pb.payload, max_tokens=B_MAX_TOKENS))
-                for (_, label), pb in zip(b_lengths, b_prompts, strict=True)
-                for _ in range(len(a_prompts))
-            ]
-            for label, fb in futs_b:
-                observed.append(
-                    Observed(f"interleaved: B {label}", fb.result(), list(range(len(a_prompts))))
-                )
-                done += 1
-                ctx.progress("canary (interleaved)", done / total)
-            a_interleaved = [f.result() for f in futs_a]
-        return self._verdict(target, planted, a_interleaved, observed, probes)
-
-    @staticmethod
-    def _b_prompts(
-        ctx: AuditContext, maker: PromptMaker, lengths: list[tuple[int, str]], facts: TargetFacts
-    ) -> tuple[list[Prompt] | None, list[OverLong]]:
-        """B's prompts; each over-long one grown until its measured length is over its bound."""
-        out: list[Prompt] = []
-        probes: list[OverLong] = []
-        counter = TokenCounter(maker.client, facts)
-        try:
-            for n, label in lengths:
-                p = maker.make(n, head=random_words(ctx.rng, 6))
-                if p is None:
-                    return None, probes
-                if label.startswith("over"):  # "pool + 1" / "limit + 1": the bound is n - 1
-                    probes.append(over_bound(maker, counter, label, p, n - 1))
-                    p = probes[-1].prompt
-                out.append(p)
-        finally:
-            counter.close()
-        return out, probes
+        observed = plan.sequential(ctx, a, b)
+        a_interleaved = plan.interleaved(ctx, a, b, observed)
+        return self._verdict(target, plan.planted, a_interleaved, observed, plan.probes)
 
     @staticmethod
     def _fragments(maker: PromptMaker, sentinel: str) -> list[str]:
@@ -193,48 +136,15 @@ class CanaryCheck(Check):
         planted: list[Planted],
         a_interleaved: list[ProbeResponse],
         observed: list[Observed],
-        probes: list[OverLong] | None = None,
+        probes: list[OverLong],
     ) -> CheckResult:
-        hits: list[dict[str, Any]] = []
-        for ob in observed:
-            text = ob.response.searchable()
-            for idx, pl in enumerate(planted):
-                frag = find_leak(text, pl)
-                if frag is not None:
-                    hits.append(
-                        {
-                            "tenant_a_request": {
-                                "index": idx,
-                                "sentinel": pl.sentinel,
-                                "prompt_tokens": pl.prompt_tokens,
-                                "response": pl.response.brief() if pl.response else None,
-                            },
-                            "tenant_b_request": {"label": ob.label, **ob.response.brief()},
-                            "matched": frag,
-                            "matched_tokens_at_least": MIN_FRAGMENT_TOKENS,
-                            "context": excerpt(text, frag),
-                        }
-                    )
-        a_ok = sum(1 for p in planted if p.response is not None and p.response.ok)
-        a_ok += sum(1 for r in a_interleaved if r.ok)
-        b_answered = sum(1 for o in observed if o.response.answered)
-        evidence: dict[str, Any] = {
-            "sentinels": [p.sentinel for p in planted],
-            "a_prompt_tokens": [p.prompt_tokens for p in planted],
-            "a_requests_ok": a_ok,
-            "a_statuses": [p.response.status if p.response else None for p in planted]
-            + [r.status for r in a_interleaved],
-            "b_requests": len(observed),
-            "b_answered": b_answered,
-            "b_statuses": sorted({str(o.response.status) for o in observed}),
-            "fragments_per_sentinel": [len(p.fragments) for p in planted],
-            "hits": hits[:20],
-            "hit_count": len(hits),
-        }
+        hits = find_hits(planted, observed)
+        evidence = _evidence(planted, a_interleaved, observed, hits)
         evidence["over_long_probes"] = [
             pr.to_json([o.response for o in observed if o.label.endswith(pr.label)])
-            for pr in probes or []
+            for pr in probes
         ]
+        a_ok, b_answered = evidence["a_requests_ok"], evidence["b_answered"]
         if hits:
             first = hits[0]
             return self.result(
@@ -259,18 +169,138 @@ class CanaryCheck(Check):
                 f"{len(observed) - b_answered} tenant-B requests got no HTTP answer",
                 evidence,
             )
-        unverified = [f"{pr.label}: {pr.tokens} tokens" for pr in probes or [] if not pr.verified]
-        over_note = (
-            f"; not verified over their bound: {', '.join(unverified)}" if unverified else ""
-        )
+        unverified = [f"{pr.label}: {pr.tokens} tokens" for pr in probes if not pr.verified]
+        note = f"; not verified over their bound: {', '.join(unverified)}" if unverified else ""
         return self.result(
             target,
             Verdict.PASS,
             f"{len(planted)} sentinels, {a_ok} A requests, {len(observed)} B requests "
             "(sequential and interleaved, incl. over-long): no sentinel or 4-token fragment in B"
-            + over_note,
+            + note,
             evidence,
         )
+
+
+@dataclass(slots=True)
+class _Plan:
+    """A's sentinel prompts and B's probes, and the two phases that send them."""
+
+    b_lengths: list[tuple[int, str]]
+    planted: list[Planted] = field(default_factory=list)
+    a_prompts: list[Prompt] = field(default_factory=list)
+    b_prompts: list[Prompt] = field(default_factory=list)
+    probes: list[OverLong] = field(default_factory=list)  # the over-long ones, measured
+    done: int = 0
+
+    @property
+    def total(self) -> int:
+        return len(self.a_prompts) * (1 + len(self.b_prompts)) * 2
+
+    def make_b(self, ctx: AuditContext, maker: PromptMaker, facts: TargetFacts) -> bool:
+        """B's prompts; each over-long one grown until its measured length is over its bound."""
+        counter = TokenCounter(maker.client, facts)
+        try:
+            for n, label in self.b_lengths:
+                p = maker.make(n, head=random_words(ctx.rng, 6))
+                if p is None:
+                    return False
+                if label.startswith("over"):  # "pool + 1" / "limit + 1": the bound is n - 1
+                    self.probes.append(over_bound(maker, counter, label, p, n - 1))
+                    p = self.probes[-1].prompt
+                self.b_prompts.append(p)
+        finally:
+            counter.close()
+        return True
+
+    def sequential(self, ctx: AuditContext, a: ProbeClient, b: ProbeClient) -> list[Observed]:
+        """Each A request completes, then B probes the freed pages — over-long probes first,
+        while the pages still hold A's KV (a short B request would reuse them first: seen
+        through sglang-router, where it hid the leak of the over-pool probe)."""
+        observed: list[Observed] = []
+        probes = sorted(
+            zip(self.b_lengths, self.b_prompts, strict=True),
+            key=lambda lp: not lp[0][1].startswith("over"),
+        )
+        for i, (pa, pl) in enumerate(zip(self.a_prompts, self.planted, strict=True)):
+            pl.response = a.completion(pa.payload, max_tokens=A_MAX_TOKENS)
+            for (_, label), pb in probes:
+                stream = label.startswith("over") and i % 2 == 1
+                r = b.completion(pb.payload, max_tokens=B_MAX_TOKENS, stream=stream)
+                observed.append(
+                    Observed(f"sequential after A#{i}: B {label}", r, list(range(i + 1)))
+                )
+                self.done += 1
+                ctx.progress("canary (sequential)", self.done / self.total)
+        return observed
+
+    def interleaved(
+        self, ctx: AuditContext, a: ProbeClient, b: ProbeClient, observed: list[Observed]
+    ) -> list[ProbeResponse]:
+        """A and B at once; B's answers join `observed`; A's responses are returned."""
+        n_a = len(self.a_prompts)
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            futs_a = [
+                pool.submit(a.completion, pa.payload, max_tokens=A_MAX_TOKENS, stream=True)
+                for pa in self.a_prompts
+            ]
+            futs_b = [
+                (label, pool.submit(b.completion, pb.payload, max_tokens=B_MAX_TOKENS))
+                for (_, label), pb in zip(self.b_lengths, self.b_prompts, strict=True)
+                for _ in range(n_a)
+            ]
+            for label, fb in futs_b:
+                observed.append(Observed(f"interleaved: B {label}", fb.result(), list(range(n_a))))
+                self.done += 1
+                ctx.progress("canary (interleaved)", self.done / self.total)
+            return [f.result() for f in futs_a]
+
+
+def find_hits(planted: list[Planted], observed: list[Observed]) -> list[dict[str, Any]]:
+    """Every (A sentinel, B response) pair where B's bytes carry the sentinel or a fragment."""
+    hits: list[dict[str, Any]] = []
+    for ob in observed:
+        text = ob.response.searchable()
+        for idx, pl in enumerate(planted):
+            frag = find_leak(text, pl)
+            if frag is not None:
+                hits.append(
+                    {
+                        "tenant_a_request": {
+                            "index": idx,
+                            "sentinel": pl.sentinel,
+                            "prompt_tokens": pl.prompt_tokens,
+                            "response": pl.response.brief() if pl.response else None,
+                        },
+                        "tenant_b_request": {"label": ob.label, **ob.response.brief()},
+                        "matched": frag,
+                        "matched_tokens_at_least": MIN_FRAGMENT_TOKENS,
+                        "context": excerpt(text, frag),
+                    }
+                )
+    return hits
+
+
+def _evidence(
+    planted: list[Planted],
+    a_interleaved: list[ProbeResponse],
+    observed: list[Observed],
+    hits: list[dict[str, Any]],
+) -> dict[str, Any]:
+    a_ok = sum(1 for p in planted if p.response is not None and p.response.ok)
+    a_ok += sum(1 for r in a_interleaved if r.ok)
+    return {
+        "sentinels": [p.sentinel for p in planted],
+        "a_prompt_tokens": [p.prompt_tokens for p in planted],
+        "a_requests_ok": a_ok,
+        "a_statuses": [p.response.status if p.response else None for p in planted]
+        + [r.status for r in a_interleaved],
+        "b_requests": len(observed),
+        "b_answered": sum(1 for o in observed if o.response.answered),
+        "b_statuses": sorted({str(o.response.status) for o in observed}),
+        "fragments_per_sentinel": [len(p.fragments) for p in planted],
+        "hits": hits[:20],
+        "hit_count": len(hits),
+    }
 
 
 def plan_lengths(limit: int, facts: TargetFacts) -> tuple[list[int], list[tuple[int, str]]]:

@@ -25,12 +25,12 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvfence.audit import report
-from kvfence.audit.base import DEFAULT_HEADROOM, AuditContext, Budget, CheckResult
+from kvfence.audit.base import DEFAULT_ALPHA, DEFAULT_HEADROOM, AuditContext, Budget, CheckResult
 from kvfence.audit.runbook import ALL_CHECKS, AuditRun, run_audit
 from kvfence.audit.targets.registry import ENGINE_CHOICES
 
 # "module:function" of the embedded-default runner:
-#   (checks, headroom, seed, progress, budget, on_result) -> AuditRun
+#   (checks, headroom, seed, progress, budget, on_result, alpha) -> AuditRun
 EMBEDDED_HOOK = "kvfence.audit.embedded:audit_embedded"
 
 
@@ -77,6 +77,13 @@ def _embedded_runner() -> Callable[..., AuditRun] | None:
 @click.option("--max-requests", type=int, default=5000, show_default=True)
 @click.option("--max-seconds", type=float, default=900.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--alpha",
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    default=DEFAULT_ALPHA,
+    show_default=True,
+    help="family-wise false-alarm rate per target, split over the statistical checks",
+)
 @click.option("--quiet", is_flag=True, help="no progress, only the summary line")
 @click.option(
     "--fail-on-inconclusive/--no-fail-on-inconclusive",
@@ -101,6 +108,7 @@ def audit(
     max_requests: int,
     max_seconds: float,
     seed: int,
+    alpha: float,
     quiet: bool,
     fail_on_inconclusive: bool,
 ) -> None:
@@ -125,48 +133,68 @@ def audit(
             budget=budget,
             seed=seed,
             quiet=quiet,
+            alpha=alpha,
         )
-
-        def run_targets(progress: ProgressFn | None, on_result: ResultFn | None) -> AuditRun:
-            if progress is not None:
-                actx.progress = progress
-            with actx.open():
-                return run_audit(
-                    list(targets), actx, engine=engine, checks=names, on_result=on_result
-                )
-
-        run = _with_progress(run_targets, len(targets) * len(names), quiet, console)
+        body = _on_targets(actx, list(targets), engine, names)
+        run = _with_progress(body, len(targets) * len(names), quiet, console)
     else:
-        runner = _embedded_runner()
-        if runner is None:
-            console.print(
-                "no --target given and the embedded default is not available in this build: "
-                "start `kvfence serve` and pass --target URL"
-            )
-            sys.exit(2)
+        body = _on_embedded(console, names, headroom, seed, budget, alpha)
         if html_out is None:
             html_out = str(Path(tempfile.mkdtemp(prefix="kvfence-audit-")) / "report.html")
-
-        def run_embedded(progress: ProgressFn | None, on_result: ResultFn | None) -> AuditRun:
-            return runner(
-                checks=names,
-                headroom=headroom,
-                seed=seed,
-                progress=progress,
-                budget=budget,
-                on_result=on_result,
-            )
-
-        run = _with_progress(run_embedded, 2 * len(names), quiet, console)
+        run = _with_progress(body, 2 * len(names), quiet, console)
     finish(run, console, html_out, json_out, junit_out, quiet, fail_on_inconclusive)
 
 
 ProgressFn = Callable[[str, float | None], None]
 ResultFn = Callable[[CheckResult], None]
+AuditBody = Callable[[ProgressFn | None, ResultFn | None], AuditRun]
+
+
+def _on_targets(
+    actx: AuditContext, targets: list[str], engine: str, names: tuple[str, ...]
+) -> AuditBody:
+    def run_targets(progress: ProgressFn | None, on_result: ResultFn | None) -> AuditRun:
+        if progress is not None:
+            actx.progress = progress
+        with actx.open():
+            return run_audit(targets, actx, engine=engine, checks=names, on_result=on_result)
+
+    return run_targets
+
+
+def _on_embedded(
+    console: Console,
+    names: tuple[str, ...],
+    headroom: float,
+    seed: int,
+    budget: Budget,
+    alpha: float,
+) -> AuditBody:
+    """The embedded default (no --target): a kvfence server this command starts itself."""
+    runner = _embedded_runner()
+    if runner is None:
+        console.print(
+            "no --target given and the embedded default is not available in this build: "
+            "start `kvfence serve` and pass --target URL"
+        )
+        sys.exit(2)
+
+    def run_embedded(progress: ProgressFn | None, on_result: ResultFn | None) -> AuditRun:
+        return runner(
+            checks=names,
+            headroom=headroom,
+            seed=seed,
+            progress=progress,
+            budget=budget,
+            on_result=on_result,
+            alpha=alpha,
+        )
+
+    return run_embedded
 
 
 def _with_progress(
-    body: Callable[[ProgressFn | None, ResultFn | None], AuditRun],
+    body: AuditBody,
     total: int,
     quiet: bool,
     console: Console,

@@ -43,30 +43,11 @@ class CountersCheck(Check):
         watched = [k for k, f in before.items() if INFORMATIONAL not in f.note]
         if not watched and not after:
             return self._nothing_to_compare(ctx, target)
-        rows: list[dict[str, Any]] = []
-        moved, unreadable = [], []
-        for name in sorted(
-            set(watched) | {k for k, f in after.items() if INFORMATIONAL not in f.note}
-        ):
-            b, a = before.get(name), after.get(name)
-            seen = a or b
-            row = {
-                "counter": name,
-                "before": b.value if b else None,
-                "after": a.value if a else None,
-                "source": seen.source if seen else "",
-            }
-            rows.append(row)
-            if b is None or a is None or not b.known or not a.known:
-                unreadable.append(name)
-            elif a.value != b.value:
-                moved.append(f"{name} {b.value} → {a.value}")
-        informational = {
-            k: {"before": before[k].value if k in before else None, "after": f.value}
-            for k, f in after.items()
-            if INFORMATIONAL in f.note
+        rows, moved, unreadable = compare(before, after)
+        evidence: dict[str, Any] = {
+            "counters": rows,
+            "informational": _informational(before, after),
         }
-        evidence: dict[str, Any] = {"counters": rows, "informational": informational}
         if moved:
             return self.result(
                 target,
@@ -101,3 +82,39 @@ class CountersCheck(Check):
                 {"premises": [premise.to_json()]},
             )
         return self.result(target, Verdict.SKIPPED, none, {"premises": [premise.to_json()]})
+
+
+def _informational(before: dict[str, Fact], after: dict[str, Fact]) -> dict[str, Any]:
+    """Counters shown for context only: they may move during an audit without meaning a leak."""
+    return {
+        k: {"before": before[k].value if k in before else None, "after": f.value}
+        for k, f in after.items()
+        if INFORMATIONAL in f.note
+    }
+
+
+def compare(
+    before: dict[str, Fact], after: dict[str, Fact]
+) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """(a row per watched counter, the ones that moved, the ones not readable both times)."""
+    watched = {k for k, f in before.items() if INFORMATIONAL not in f.note}
+    watched |= {k for k, f in after.items() if INFORMATIONAL not in f.note}
+    rows: list[dict[str, Any]] = []
+    moved: list[str] = []
+    unreadable: list[str] = []
+    for name in sorted(watched):
+        b, a = before.get(name), after.get(name)
+        seen = a or b
+        rows.append(
+            {
+                "counter": name,
+                "before": b.value if b else None,
+                "after": a.value if a else None,
+                "source": seen.source if seen else "",
+            }
+        )
+        if b is None or a is None or not b.known or not a.known:
+            unreadable.append(name)
+        elif a.value != b.value:
+            moved.append(f"{name} {b.value} → {a.value}")
+    return rows, moved, unreadable

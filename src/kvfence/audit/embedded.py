@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from kvfence.audit.base import AuditContext, Budget, CheckResult
+from kvfence.audit.base import DEFAULT_ALPHA, AuditContext, Budget, CheckResult
 from kvfence.audit.runbook import ALL_CHECKS, AuditRun, run_audit
 
 KEY_A = "embedded-tenant-a-key-0001"
@@ -138,6 +138,7 @@ def audit_embedded(
     progress: Callable[[str, float | None], None] | None = None,
     budget: Budget | None = None,
     on_result: Callable[[CheckResult], None] | None = None,
+    alpha: float = DEFAULT_ALPHA,
 ) -> AuditRun:
     """Start the incident lab and the hardened engine, audit both, stop them."""
     specs = (("workers-ai-2026", INCIDENT), ("hardened", HARDENED))
@@ -156,6 +157,7 @@ def audit_embedded(
             headroom=headroom,
             seed=seed,
             budget=budget or Budget(),
+            alpha=alpha,
         )
         if progress is not None:
             ctx.progress = progress

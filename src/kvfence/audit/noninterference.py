@@ -21,166 +21,15 @@ when the batch changes (Thinking Machines, 2025), without any leak.
 from __future__ import annotations
 
 import random
-import threading
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import replace
 
+from kvfence.audit.alpha import fisher_repeats_for
 from kvfence.audit.base import AuditContext, Check, CheckResult, JSONValue, Verdict
-from kvfence.audit.client import ProbeClient, ProbeResponse
-from kvfence.audit.stats import divergence_excess
+from kvfence.audit.noninterference_probes import Load, NoninterferenceConfig, Probes, Tally
+from kvfence.audit.stats import DivergenceTest, divergence_excess
 from kvfence.audit.targets.base import Target, TargetFacts
 
-
-@dataclass(frozen=True, slots=True)
-class NoninterferenceConfig:
-    """Probe and load shape.
-
-    ``probes`` distinct B prompts of ``probe_tokens`` tokens, each answered
-    ``repeats`` times alone and ``repeats`` times under load;
-    ``max_tokens`` generated per answer. With ``long_probe`` the last probe is
-    long: just past the KV pool when the target's pool is smaller than its
-    input limit (where the Workers AI reject path fired), else at the input
-    limit but at most ``long_probe_cap`` tokens. A's load: ``load_concurrency``
-    threads sending ``load_tokens``-token prompts (``load_max_tokens`` out).
-    """
-
-    probes: int = 4
-    probe_tokens: int = 48
-    max_tokens: int = 8
-    repeats: int = 8
-    long_probe: bool = True
-    long_probe_cap: int = 1024
-    logprobs: int = 1
-    load_concurrency: int = 3
-    load_tokens: int = 192
-    load_max_tokens: int = 16
-    alpha: float = 1e-3
-    token_range: tuple[int, int] = (100, 500)
-
-    def __post_init__(self) -> None:
-        if min(self.probes, self.probe_tokens, self.max_tokens, self.repeats) < 1:
-            raise ValueError("probes, probe_tokens, max_tokens and repeats must be >= 1")
-        if self.load_concurrency < 1 or not 0 < self.alpha < 1:
-            raise ValueError("need load_concurrency >= 1 and 0 < alpha < 1")
-
-
-@dataclass(frozen=True, slots=True)
-class Answer:
-    """What a temperature-0 answer is compared on."""
-
-    tokens: tuple[Any, ...]  # generated tokens (ids or strings, as the server reports them)
-    text: str
-    logprobs: tuple[float, ...]
-
-    def same_output(self, other: Answer) -> bool:
-        return self.text == other.text and self.tokens == other.tokens
-
-    def max_logprob_delta(self, other: Answer) -> float | None:
-        n = min(len(self.logprobs), len(other.logprobs))
-        if n == 0 or not self.same_output(other):
-            return None
-        return max(abs(a - b) for a, b in zip(self.logprobs[:n], other.logprobs[:n], strict=True))
-
-
-def answer_of(resp: ProbeResponse) -> Answer:
-    """Tokens and chosen-token logprobs in the completion or the chat shape."""
-    lp = resp.logprobs
-    tokens: list[Any] = []
-    values: list[float] = []
-    if isinstance(lp, dict) and isinstance(lp.get("token_logprobs"), list):
-        tokens = list(lp.get("tokens") or [])
-        values = [float(v) for v in lp["token_logprobs"] if isinstance(v, int | float)]
-    elif isinstance(lp, dict) and isinstance(lp.get("content"), list):
-        for item in lp["content"]:
-            if isinstance(item, dict):
-                tokens.append(item.get("id", item.get("token")))
-                v = item.get("logprob")
-                if isinstance(v, int | float):
-                    values.append(float(v))
-    return Answer(tuple(tokens), resp.text, tuple(values))
-
-
-@dataclass(slots=True)
-class Tally:
-    """Divergences of one phase (alone or under load)."""
-
-    total: int = 0
-    diverged: int = 0
-    max_logprob_delta: float = 0.0
-    examples: list[dict[str, Any]] = field(default_factory=list)
-    errors: list[dict[str, Any]] = field(default_factory=list)
-    per_probe: dict[int, list[int]] = field(default_factory=dict)  # probe -> [answers, diverged]
-
-    def record(self, probe: int, ref: Answer, resp: ProbeResponse) -> None:
-        if not resp.ok:
-            self.errors.append(resp.brief())
-            return
-        got = answer_of(resp)
-        self.total += 1
-        counts = self.per_probe.setdefault(probe, [0, 0])
-        counts[0] += 1
-        if not got.same_output(ref):
-            self.diverged += 1
-            counts[1] += 1
-            if len(self.examples) < 3:
-                self.examples.append(
-                    {
-                        "probe": probe,
-                        "reference_text": ref.text,
-                        "reference_tokens": list(ref.tokens),
-                        "got_text": got.text,
-                        "got_tokens": list(got.tokens),
-                        "response": resp.brief(),
-                    }
-                )
-            return
-        delta = got.max_logprob_delta(ref)
-        if delta is not None:
-            self.max_logprob_delta = max(self.max_logprob_delta, delta)
-
-    def to_json(self) -> dict[str, JSONValue]:
-        return {
-            "answers": self.total,
-            "diverged": self.diverged,
-            "rate": self.diverged / self.total if self.total else None,
-            "max_logprob_delta": self.max_logprob_delta,
-            "per_probe": {
-                str(k): {"answers": a, "diverged": d} for k, (a, d) in self.per_probe.items()
-            },
-            "examples": self.examples,
-            "errors": self.errors[:3],
-            "error_count": len(self.errors),
-        }
-
-
-class _Load:
-    """Tenant A's concurrent traffic while B probes; stops when told."""
-
-    def __init__(self, client: ProbeClient, cfg: NoninterferenceConfig, rng: random.Random) -> None:
-        self.client, self.cfg = client, cfg
-        self.seeds = [rng.getrandbits(32) for _ in range(cfg.load_concurrency)]
-        self.stop = threading.Event()
-        self.lock = threading.Lock()
-        self.sent = 0
-        self.ok = 0
-        self.failures: list[dict[str, Any]] = []
-
-    def worker(self, seed: int) -> None:
-        rng = random.Random(seed)
-        lo, hi = self.cfg.token_range
-        while not self.stop.is_set():
-            prompt = [rng.randrange(lo, hi) for _ in range(self.cfg.load_tokens)]
-            r = self.client.completion(prompt, max_tokens=self.cfg.load_max_tokens, temperature=1.0)
-            with self.lock:
-                self.sent += 1
-                if r.ok:
-                    self.ok += 1
-                elif len(self.failures) < 3:
-                    self.failures.append(r.brief())
-
-    def to_json(self) -> dict[str, JSONValue]:
-        return {"sent": self.sent, "ok": self.ok, "failures": self.failures}
+__all__ = ["NoninterferenceCheck", "NoninterferenceConfig", "probe_lengths"]
 
 
 def probe_lengths(
@@ -220,25 +69,21 @@ class NoninterferenceCheck(Check):
         self.config = config or NoninterferenceConfig()
 
     def run(self, ctx: AuditContext, target: Target) -> CheckResult:
-        cfg = self.config
+        """B's references -> B's repeats alone -> B's repeats under A's load -> Fisher test."""
         client_a, client_b = ctx.client(target, "a"), ctx.client(target, "b")
         target.facts(client_a)
         facts = target.facts(client_b)
-        lengths, how = probe_lengths(cfg, facts, ctx.context_override)
+        lengths, how = probe_lengths(self.config, facts, ctx.context_override)
+        # The share of --alpha is split over len(lengths) + 1 tests; repeats grow until a
+        # probe that diverges every time under load and never alone can reach it.
+        alpha = self.config.alpha or ctx.alpha_for(self.name)
+        repeats = fisher_repeats_for(alpha / (len(lengths) + 1), self.config.repeats)
+        cfg = replace(self.config, alpha=alpha, repeats=repeats)
         rng = random.Random(ctx.rng.random())
         lo, hi = cfg.token_range
         all_prompts = [[rng.randrange(lo, hi) for _ in range(n)] for n in lengths]
-        logprobs: int | None = cfg.logprobs
-
-        def send(prompt: list[int]) -> ProbeResponse:
-            return client_b.completion(
-                prompt, max_tokens=cfg.max_tokens, temperature=0.0, logprobs=logprobs
-            )
-
-        first = send(all_prompts[0])
-        if first.status == 400 and logprobs is not None:
-            logprobs = None  # the target refuses logprobs: compare text and tokens only
-            first = send(all_prompts[0])
+        probes = Probes(client_b, cfg, cfg.logprobs)
+        first = probes.first(all_prompts[0])
         if not first.ok:
             return self.result(
                 target,
@@ -246,47 +91,16 @@ class NoninterferenceCheck(Check):
                 f"B's probe failed alone (status {first.status}): nothing to compare",
                 {"probe": first.brief()},
             )
-        # A probe the target refuses (e.g. the long one on an undersized pool that
-        # rejects at the edge, I4) has no reference answer: it is dropped, on record.
-        prompts: list[list[int]] = [all_prompts[0]]
-        refs = [answer_of(first)]
-        dropped: list[dict[str, JSONValue]] = []
-        for prompt in all_prompts[1:]:
-            ref = send(prompt)
-            if ref.ok:
-                prompts.append(prompt)
-                refs.append(answer_of(ref))
-            else:
-                dropped.append({"prompt_tokens": len(prompt), **ref.brief()})
-
-        def ask(i: int) -> ProbeResponse:
-            return send(prompts[i])
-
-        probes = len(prompts)
-        ctx.progress("noninterference: baseline", 0.0)
-        alone = Tally()
-        for rep in range(cfg.repeats):
-            for i in range(probes):
-                alone.record(i, refs[i], ask(i))
-            ctx.progress("noninterference: baseline", (rep + 1) / cfg.repeats)
-        load = _Load(client_a, cfg, rng)
-        loaded = Tally()
-        ctx.progress("noninterference: under load", 0.0)
-        with ThreadPoolExecutor(max_workers=cfg.load_concurrency) as pool:
-            futures = [pool.submit(load.worker, s) for s in load.seeds]
-            try:
-                for rep in range(cfg.repeats):
-                    for i in range(probes):
-                        loaded.record(i, refs[i], ask(i))
-                    ctx.progress("noninterference: under load", (rep + 1) / cfg.repeats)
-            finally:
-                load.stop.set()
-            for f in futures:
-                f.result()  # a crashed load worker is a crashed check (fail closed)
-        result = self._verdict(target, cfg, alone, loaded, load, logprobs is not None)
-        result.evidence["probe_tokens"] = [len(p) for p in prompts]
+        probes.references(all_prompts[1:])
+        alone = probes.tally(ctx, "noninterference: baseline")
+        load = Load(client_a, cfg, rng)
+        loaded = probes.under_load(ctx, load)
+        result = self._verdict(target, cfg, alone, loaded, load, probes.logprobs is not None)
+        result.evidence["probe_tokens"] = [len(p) for p in probes.prompts]
         result.evidence["probe_lengths_from"] = how
-        result.evidence["dropped_probes"] = dropped
+        result.evidence["dropped_probes"] = probes.dropped
+        result.alpha, p = alpha, result.evidence.get("p_value")
+        result.p_value = p if isinstance(p, float) else None
         return result
 
     def _verdict(
@@ -295,7 +109,7 @@ class NoninterferenceCheck(Check):
         cfg: NoninterferenceConfig,
         alone: Tally,
         loaded: Tally,
-        load: _Load,
+        load: Load,
         with_logprobs: bool,
     ) -> CheckResult:
         evidence: dict[str, JSONValue] = {
@@ -305,55 +119,18 @@ class NoninterferenceCheck(Check):
             "under_load": loaded.to_json(),
             "load": load.to_json(),
         }
-        if alone.total == 0 or loaded.total == 0:
-            return self.result(
-                target, Verdict.INCONCLUSIVE, "B's probes failed: no answers to compare", evidence
-            )
-        if load.ok == 0:
-            return self.result(
-                target,
-                Verdict.INCONCLUSIVE,
-                f"tenant A's load never succeeded ({load.sent} requests): no interference tested",
-                evidence,
-            )
-        # One pooled test plus one per probe (interference may hit only the long
-        # probe); Bonferroni keeps the family's false-alarm rate at alpha.
-        probes = sorted(alone.per_probe.keys() & loaded.per_probe.keys())
-        per_test_alpha = cfg.alpha / (len(probes) + 1)
-        pooled = divergence_excess(alone.diverged, alone.total, loaded.diverged, loaded.total)
-        per_probe = {
-            i: divergence_excess(
-                alone.per_probe[i][1],
-                alone.per_probe[i][0],
-                loaded.per_probe[i][1],
-                loaded.per_probe[i][0],
-            )
-            for i in probes
-        }
-        evidence["fisher_p_value"] = pooled.p_value
-        evidence["fisher_p_value_per_probe"] = {str(i): t.p_value for i, t in per_probe.items()}
-        evidence["alpha"] = cfg.alpha
-        evidence["alpha_per_test"] = per_test_alpha
+        untested = _untested(alone, loaded, load)
+        if untested is not None:
+            return self.result(target, Verdict.INCONCLUSIVE, untested, evidence)
+        worst_i, worst_t, per_test_alpha = _fisher(cfg, alone, loaded, evidence)
         rates = (
             f"divergence alone {alone.diverged}/{alone.total}, under A's load "
             f"{loaded.diverged}/{loaded.total} ({load.ok} A requests)"
         )
-        hits = [(-1, pooled), *per_probe.items()]
-        worst_i, worst_t = min(hits, key=lambda it: it[1].p_value)
         if worst_t.p_value < per_test_alpha:
-            where = "all probes" if worst_i < 0 else f"probe {worst_i}"
-            return self.result(
-                target,
-                Verdict.FAIL,
-                f"B's output depends on A's traffic ({where}: {worst_t.load_diverged}/"
-                f"{worst_t.load_total} under load vs {worst_t.baseline_diverged}/"
-                f"{worst_t.baseline_total} alone, Fisher p = {worst_t.p_value:.2e} < "
-                f"{per_test_alpha:.1e}); {rates}",
-                evidence,
-            )
-        # A probe that changes on most repeats *alone* leaves no room to see
-        # interference: the test has no power on it, so it cannot vouch (fail closed).
-        unstable = [i for i, (a, d) in alone.per_probe.items() if a >= 2 and 2 * d >= a]
+            why = _depends(worst_i, worst_t, per_test_alpha)
+            return self.result(target, Verdict.FAIL, f"{why}; {rates}", evidence)
+        unstable = _unstable_alone(alone)
         if unstable:
             evidence["unstable_alone"] = unstable
             return self.result(
@@ -371,3 +148,56 @@ class NoninterferenceCheck(Check):
             f"{worst_t.p_value:.2g}{note}",
             evidence,
         )
+
+
+def _depends(probe: int, test: DivergenceTest, alpha: float) -> str:
+    where = "all probes" if probe < 0 else f"probe {probe}"
+    return (
+        f"B's output depends on A's traffic ({where}: {test.load_diverged}/"
+        f"{test.load_total} under load vs {test.baseline_diverged}/"
+        f"{test.baseline_total} alone, Fisher p = {test.p_value:.2e} < {alpha:.1e})"
+    )
+
+
+def _untested(alone: Tally, loaded: Tally, load: Load) -> str | None:
+    """Why there is nothing to compare, or None."""
+    if alone.total == 0 or loaded.total == 0:
+        return "B's probes failed: no answers to compare"
+    if load.ok == 0:
+        return f"tenant A's load never succeeded ({load.sent} requests): no interference tested"
+    return None
+
+
+def _unstable_alone(alone: Tally) -> list[int]:
+    """Probes that change on most repeats *alone*: that leaves no room to see interference;
+    the test has no power on them, so it cannot vouch (fail closed)."""
+    return [i for i, (a, d) in alone.per_probe.items() if a >= 2 and 2 * d >= a]
+
+
+def _fisher(
+    cfg: NoninterferenceConfig, alone: Tally, loaded: Tally, evidence: dict[str, JSONValue]
+) -> tuple[int, DivergenceTest, float]:
+    """(the probe with the smallest p (-1: pooled), its test, the per-test alpha), on record."""
+    # One pooled test plus one per probe (interference may hit only the long
+    # probe); Bonferroni keeps the family's false-alarm rate at alpha.
+    probes = sorted(alone.per_probe.keys() & loaded.per_probe.keys())
+    alpha = cfg.alpha or 0.0  # set by run()
+    per_test_alpha = alpha / (len(probes) + 1)
+    pooled = divergence_excess(alone.diverged, alone.total, loaded.diverged, loaded.total)
+    per_probe = {
+        i: divergence_excess(
+            alone.per_probe[i][1],
+            alone.per_probe[i][0],
+            loaded.per_probe[i][1],
+            loaded.per_probe[i][0],
+        )
+        for i in probes
+    }
+    evidence["fisher_p_value"] = pooled.p_value
+    evidence["fisher_p_value_per_probe"] = {str(i): t.p_value for i, t in per_probe.items()}
+    evidence["alpha"] = alpha
+    evidence["alpha_per_test"] = per_test_alpha
+    hits = [(-1, pooled), *per_probe.items()]
+    worst_i, worst_t = min(hits, key=lambda it: it[1].p_value)
+    evidence["p_value"] = min(1.0, worst_t.p_value * len(hits))  # Bonferroni-adjusted
+    return worst_i, worst_t, per_test_alpha

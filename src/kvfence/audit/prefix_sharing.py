@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import replace
 
 from kvfence.audit import premises
+from kvfence.audit.alpha import sequential_design_for
 from kvfence.audit.base import (
     AuditContext,
     Check,
@@ -48,166 +48,11 @@ from kvfence.audit.base import (
     Verdict,
     worst,
 )
-from kvfence.audit.client import ProbeClient, ProbeResponse
-from kvfence.audit.prefix_prompts import Pieces, RandomPrompts
-from kvfence.audit.stats import SequentialDesign, SequentialKS, SequentialResult
+from kvfence.audit.prefix_trials import Arms, PrefixSharingConfig, TrialProbe, run_arms
+from kvfence.audit.stats import SequentialKS, SequentialResult
 from kvfence.audit.targets.base import Target, TargetFacts
 
-
-@dataclass(frozen=True, slots=True)
-class PrefixSharingConfig:
-    """Shape and limits of the probe.
-
-    - ``prefix_pages`` pages of the target's page size (``default_page`` when
-      unknown), at least ``min_prefix_tokens``, capped by what the target accepts.
-    - ``design``: the sequential test (alpha, trials per look, max trials).
-    - ``salt``: "auto" runs the salted variant when the target accepts
-      ``cache_salt``; "off" never; "only" runs just the salted variant.
-    - ``stop_on_cached_evidence``: stop as soon as ``cached_tokens`` proves a
-      cross-tenant hit (the timing test would only confirm it).
-    - ``token_range``: token ids are drawn from [low, high): ids every
-      tokenizer has and none is special.
-    """
-
-    prefix_pages: int = 8
-    min_prefix_tokens: int = 256
-    default_page: int = 16
-    suffix_tokens: int = 8
-    design: SequentialDesign = field(
-        default_factory=lambda: SequentialDesign(alpha=1e-3, batch=8, max_per_arm=24)
-    )
-    salt: str = "auto"
-    salt_control_trials: int = 4
-    stop_on_cached_evidence: bool = True
-    token_range: tuple[int, int] = (100, 500)
-    max_error_fraction: float = 0.2
-
-    def __post_init__(self) -> None:
-        if self.salt not in ("auto", "off", "only"):
-            raise ValueError(f"salt must be auto, off or only, got {self.salt!r}")
-        if self.prefix_pages < 1 or self.suffix_tokens < 1 or self.min_prefix_tokens < 1:
-            raise ValueError("prefix_pages, suffix_tokens and min_prefix_tokens must be >= 1")
-        lo, hi = self.token_range
-        if not 0 <= lo < hi:
-            raise ValueError("token_range must be 0 <= low < high")
-
-
-def random_tokens(rng: random.Random, n: int, token_range: tuple[int, int]) -> list[int]:
-    lo, hi = token_range
-    return [rng.randrange(lo, hi) for _ in range(n)]
-
-
-@dataclass(slots=True)
-class Arms:
-    """Timings and evidence of one run (salted or not)."""
-
-    shared: list[float] = field(default_factory=list)
-    fresh: list[float] = field(default_factory=list)
-    shared_cached: list[int] = field(default_factory=list)
-    fresh_cached: list[int] = field(default_factory=list)
-    requests: int = 0
-    errors: list[dict[str, Any]] = field(default_factory=list)
-    cross_hits: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def cached_reported(self) -> bool:
-        return bool(self.shared_cached or self.fresh_cached)
-
-
-class _Probe:
-    """Sends one trial's three requests and records what they showed."""
-
-    def __init__(
-        self,
-        cfg: PrefixSharingConfig,
-        rng: random.Random,
-        client_a: ProbeClient,
-        client_b: ProbeClient,
-        prefix_len: int,
-    ) -> None:
-        self.cfg, self.rng = cfg, rng
-        self.a, self.b = client_a, client_b
-        self.prefix_len = prefix_len
-        self.prompts = RandomPrompts(rng, cfg.token_range)
-
-    def prompt(self, n: int) -> Pieces:
-        return self.prompts.make(n)
-
-    def send(self, client: ProbeClient, prompt: Pieces, salt: str | None) -> ProbeResponse:
-        extra = {"cache_salt": salt} if salt is not None else None
-        return client.ttft(self.prompts.payload(prompt), extra=extra)
-
-    def trial(self, arms: Arms, salt_a: str | None, salt_b: str | None) -> None:
-        prefix = self.prompt(self.prefix_len)
-        warm = self.send(self.a, prefix + self.prompt(self.cfg.suffix_tokens), salt_a)
-        if self.prompts.refused(warm, self.a):
-            arms.requests += 2  # the refused warm-up and the sizing sample
-            prefix = self.prompt(self.prefix_len)
-            warm = self.send(self.a, prefix + self.prompt(self.cfg.suffix_tokens), salt_a)
-        arms.requests += 1
-        if not warm.ok:
-            arms.errors.append({"role": "A warm-up", **warm.brief()})
-            return
-        shared_prompt = prefix + self.prompt(self.cfg.suffix_tokens)
-        fresh_prompt = self.prompt(self.prefix_len + self.cfg.suffix_tokens)
-        order = [("shared", shared_prompt), ("fresh", fresh_prompt)]
-        self.rng.shuffle(order)
-        got: dict[str, ProbeResponse] = {}
-        for arm, prompt in order:
-            got[arm] = self.send(self.b, prompt, salt_b)
-            arms.requests += 1
-        if not all(r.ok and r.ttft_s is not None for r in got.values()):
-            bad = [r for r in got.values() if not (r.ok and r.ttft_s is not None)]
-            arms.errors.append({"role": "B probe", **bad[0].brief()})
-            return
-        shared, fresh = got["shared"], got["fresh"]
-        assert shared.ttft_s is not None and fresh.ttft_s is not None
-        arms.shared.append(shared.ttft_s)
-        arms.fresh.append(fresh.ttft_s)
-        if shared.cached_tokens is not None:
-            arms.shared_cached.append(shared.cached_tokens)
-        if fresh.cached_tokens is not None:
-            arms.fresh_cached.append(fresh.cached_tokens)
-        baseline = max(arms.fresh_cached, default=0)
-        if shared.cached_tokens is not None and shared.cached_tokens > baseline:
-            arms.cross_hits.append(
-                {
-                    "cached_tokens": shared.cached_tokens,
-                    "fresh_max_cached_tokens": baseline,
-                    "a_warmup": warm.brief(),
-                    "b_shared_probe": shared.brief(),
-                }
-            )
-
-
-def run_arms(
-    probe: _Probe,
-    cfg: PrefixSharingConfig,
-    salt_a: str | None,
-    salt_b: str | None,
-    progress: Callable[[float], None] | None = None,
-) -> tuple[Arms, SequentialResult | None]:
-    """Trials in batches until the sequential test stops (or evidence / errors stop it)."""
-    arms = Arms()
-    test = SequentialKS(cfg.design)
-    trials = 0
-    while trials < cfg.design.max_per_arm:
-        before = len(arms.shared)
-        for _ in range(min(cfg.design.batch, cfg.design.max_per_arm - trials)):
-            probe.trial(arms, salt_a, salt_b)
-            trials += 1
-            if cfg.stop_on_cached_evidence and arms.cross_hits:
-                return arms, None  # the engine itself reports the cross-tenant hit
-        if progress is not None:
-            progress(trials / cfg.design.max_per_arm)
-        if len(arms.errors) > cfg.max_error_fraction * max(trials, cfg.design.batch):
-            return arms, None
-        if cfg.stop_on_cached_evidence and arms.cross_hits:
-            return arms, None
-        result = test.add(arms.shared[before:], arms.fresh[before:])
-        if result is not None:
-            return arms, result
-    return arms, test.result
+__all__ = ["Arms", "PrefixSharingCheck", "PrefixSharingConfig", "judge", "prefix_length"]
 
 
 class PrefixSharingCheck(Check):
@@ -219,29 +64,24 @@ class PrefixSharingCheck(Check):
 
     def __init__(self, config: PrefixSharingConfig | None = None) -> None:
         self.config = config or PrefixSharingConfig()
+        self.own_alpha = config is not None  # an explicit design keeps its alpha
 
     def run(self, ctx: AuditContext, target: Target) -> CheckResult:
-        cfg = self.config
         client_a, client_b = ctx.client(target, "a"), ctx.client(target, "b")
         facts = target.facts(client_a)
         target.facts(client_b)
-        prefix_len, how = prefix_length(cfg, facts, ctx.context_override)
+        prefix_len, how = prefix_length(self.config, facts, ctx.context_override)
         if prefix_len is None:
             return self.result(target, Verdict.INCONCLUSIVE, how, {"facts": facts.to_json()})
         rng = random.Random(ctx.rng.random())
-        probe = _Probe(cfg, rng, client_a, client_b, prefix_len)
         cache, salt = premises.prefix_cache(facts), premises.salt_support(facts)
-        runs, not_run = premises.prefix_runs(cfg.salt, cache, salt, rng)
+        runs, not_run = premises.prefix_runs(self.config.salt, cache, salt, rng)
+        cfg = self._sized(ctx, len(runs))
+        probe = TrialProbe(cfg, rng, client_a, client_b, prefix_len)
         evidence: dict[str, JSONValue] = {
             "prefix_tokens": prefix_len,
             "prefix_length_from": how,
-            "design": {
-                "alpha": cfg.design.alpha,
-                "alpha_per_look": cfg.design.alpha_per_look,
-                "trials_per_look": cfg.design.batch,
-                "max_trials": cfg.design.max_per_arm,
-                "error_control": "Bonferroni split of alpha over the planned looks",
-            },
+            "design": _design(cfg),
             "cache_salt_supported": facts.cache_salt_supported.to_json(),
             "premises": [cache.to_json(), salt.to_json()],
             "not_run": dict(not_run),
@@ -250,53 +90,61 @@ class PrefixSharingCheck(Check):
         summaries: list[str] = []
         plots: list[Plot] = []
         for label, salt_a, salt_b in runs:
-            ctx.progress(f"prefix sharing ({label})", 0.0)
-            arms, seq = run_arms(probe, cfg, salt_a, salt_b, _progress(ctx, label))
-            v, s, ev = judge(arms, seq, cfg)
-            if label == "salted" and v is Verdict.PASS:
-                v, s, control = self._salt_control(probe, arms, salt_a, cfg, cache)
-                ev["same_salt_control"] = control
-            if v is Verdict.FAIL and cache.absent:
-                s = f"the engine states it has no prefix cache ({cache.stated()}), yet {s}"
-                evidence["premise_contradicted"] = cache.to_json()
-            ev["verdict"] = v.value
-            evidence[label] = ev
+            v, s, plot = self._one_run(ctx, cfg, probe, cache, (label, salt_a, salt_b), evidence)
             verdicts.append(v)
             summaries.append(f"{label}: {s}")
-            plots.append(_hist(label, arms))
+            plots.append(plot)
         summaries += [f"{label}: not run — {why}" for label, why in not_run.items()]
-        verdict = worst(verdicts)
+        ran = [evidence[k] for k in ("unsalted", "salted") if k in evidence]
+        evidence["requests"] = sum(int(e["requests"]) for e in ran)
         evidence["prompts"] = probe.prompts.described()
-        evidence["requests"] = sum(
-            int(e["requests"]) for k, e in evidence.items() if k in ("unsalted", "salted")
-        )
-        return self.result(target, verdict, "; ".join(summaries), evidence, plots)
+        out = self.result(target, worst(verdicts), "; ".join(summaries), evidence, plots)
+        adjusted = [e["ks"]["adjusted_p_value"] for e in ran if "ks" in e]
+        out.p_value = min(1.0, min(adjusted) * len(runs)) if adjusted else None
+        out.alpha = cfg.design.alpha * max(1, len(runs))
+        return out
+
+    def _sized(self, ctx: AuditContext, n_runs: int) -> PrefixSharingConfig:
+        """The audit's share, split over the runs, in a design that can reach it."""
+        if self.own_alpha:  # an explicit design keeps its alpha
+            return self.config
+        share = ctx.alpha_for(self.name) / max(1, n_runs)
+        return replace(self.config, design=sequential_design_for(self.config.design, share))
+
+    def _one_run(
+        self,
+        ctx: AuditContext,
+        cfg: PrefixSharingConfig,
+        probe: TrialProbe,
+        cache: premises.Premise,
+        run: tuple[str, str | None, str | None],
+        evidence: dict[str, JSONValue],
+    ) -> tuple[Verdict, str, Plot]:
+        """One run (unsalted or salted): trials -> verdict, its evidence under its label."""
+        label, salt_a, salt_b = run
+        ctx.progress(f"prefix sharing ({label})", 0.0)
+        arms, seq = run_arms(probe, cfg, salt_a, salt_b, _progress(ctx, label))
+        v, s, ev = judge(arms, seq, cfg)
+        if label == "salted" and v is Verdict.PASS:
+            v, s, control = self._salt_control(probe, arms, salt_a, cfg, cache)
+            ev["same_salt_control"] = control
+        if v is Verdict.FAIL and cache.absent:
+            s = f"the engine states it has no prefix cache ({cache.stated()}), yet {s}"
+            evidence["premise_contradicted"] = cache.to_json()
+        ev["verdict"] = v.value
+        evidence[label] = ev
+        return v, s, _hist(label, arms)
 
     def _salt_control(
         self,
-        probe: _Probe,
+        probe: TrialProbe,
         arms: Arms,
         salt_a: str | None,
         cfg: PrefixSharingConfig,
         cache: premises.Premise,
     ) -> tuple[Verdict, str, dict[str, JSONValue]]:
         """Same tenant, same salt must hit, else the salted pass proves nothing."""
-        own = Arms()
-        test = SequentialKS(cfg.design)
-        result: SequentialResult | None = None
-        # A re-reads its own prefixes with its own salt: "B" is A here.
-        control = _Probe(cfg, probe.rng, probe.a, probe.a, probe.prefix_len)
-        control.prompts.like(probe.prompts)
-        while result is None and len(own.shared) < cfg.design.max_per_arm:
-            before = len(own.shared)
-            n = cfg.salt_control_trials if not own.shared else cfg.design.batch
-            for _ in range(n):
-                control.trial(own, salt_a, salt_a)
-            if own.cross_hits:
-                break  # cached_tokens shows the hit directly
-            if len(own.errors) > cfg.max_error_fraction * max(len(own.shared), 1) + 1:
-                break
-            result = test.add(own.shared[before:], own.fresh[before:])
+        own, result = _same_salt_trials(probe, salt_a, cfg)
         hit_seen = bool(own.cross_hits) or (result is not None and result.rejected)
         info: dict[str, JSONValue] = {
             "requests": own.requests,
@@ -325,6 +173,38 @@ class PrefixSharingCheck(Check):
             "so salt isolation is not shown",
             info,
         )
+
+
+def _same_salt_trials(
+    probe: TrialProbe, salt_a: str | None, cfg: PrefixSharingConfig
+) -> tuple[Arms, SequentialResult | None]:
+    """A re-reads its own prefixes with its own salt ("B" is A here) until a hit shows."""
+    own = Arms()
+    test = SequentialKS(cfg.design)
+    result: SequentialResult | None = None
+    control = TrialProbe(cfg, probe.rng, probe.a, probe.a, probe.prefix_len)
+    control.prompts.like(probe.prompts)
+    while result is None and len(own.shared) < cfg.design.max_per_arm:
+        before = len(own.shared)
+        n = cfg.salt_control_trials if not own.shared else cfg.design.batch
+        for _ in range(n):
+            control.trial(own, salt_a, salt_a)
+        if own.cross_hits:
+            break  # cached_tokens shows the hit directly
+        if len(own.errors) > cfg.max_error_fraction * max(len(own.shared), 1) + 1:
+            break
+        result = test.add(own.shared[before:], own.fresh[before:])
+    return own, result
+
+
+def _design(cfg: PrefixSharingConfig) -> dict[str, JSONValue]:
+    return {
+        "alpha": cfg.design.alpha,
+        "alpha_per_look": cfg.design.alpha_per_look,
+        "trials_per_look": cfg.design.batch,
+        "max_trials": cfg.design.max_per_arm,
+        "error_control": "Bonferroni split of alpha over the planned looks",
+    }
 
 
 def _progress(ctx: AuditContext, label: str) -> Callable[[float], None]:
@@ -358,27 +238,7 @@ def judge(
     arms: Arms, seq: SequentialResult | None, cfg: PrefixSharingConfig
 ) -> tuple[Verdict, str, dict[str, JSONValue]]:
     """Verdict of one run from its timings, cached-token evidence and errors."""
-    ev: dict[str, JSONValue] = {
-        "requests": arms.requests,
-        "trials": len(arms.shared),
-        "errors": arms.errors[:5],
-        "error_count": len(arms.errors),
-        "cached_tokens_reported": arms.cached_reported,
-        "cross_tenant_cached_hits": len(arms.cross_hits),
-        "cross_tenant_hit_examples": arms.cross_hits[:3],
-        "shared_ttft_s": arms.shared,
-        "fresh_ttft_s": arms.fresh,
-    }
-    if seq is not None:
-        ev["ks"] = {
-            "p_value": seq.p_value,
-            "threshold_per_look": seq.threshold,
-            "adjusted_p_value": seq.adjusted_p_value,
-            "statistic": seq.looks[-1].statistic if seq.looks else None,
-            "looks": [[lk.n_per_arm, lk.p_value] for lk in seq.looks],
-            "rejected": seq.rejected,
-            "detectable_ks_distance": seq.detectable_distance,
-        }
+    ev = _run_evidence(arms, seq)
     if arms.cross_hits:
         hit = arms.cross_hits[0]
         return (
@@ -409,6 +269,31 @@ def judge(
         f"would have been detected)",
         ev,
     )
+
+
+def _run_evidence(arms: Arms, seq: SequentialResult | None) -> dict[str, JSONValue]:
+    ev: dict[str, JSONValue] = {
+        "requests": arms.requests,
+        "trials": len(arms.shared),
+        "errors": arms.errors[:5],
+        "error_count": len(arms.errors),
+        "cached_tokens_reported": arms.cached_reported,
+        "cross_tenant_cached_hits": len(arms.cross_hits),
+        "cross_tenant_hit_examples": arms.cross_hits[:3],
+        "shared_ttft_s": arms.shared,
+        "fresh_ttft_s": arms.fresh,
+    }
+    if seq is not None:
+        ev["ks"] = {
+            "p_value": seq.p_value,
+            "threshold_per_look": seq.threshold,
+            "adjusted_p_value": seq.adjusted_p_value,
+            "statistic": seq.looks[-1].statistic if seq.looks else None,
+            "looks": [[lk.n_per_arm, lk.p_value] for lk in seq.looks],
+            "rejected": seq.rejected,
+            "detectable_ks_distance": seq.detectable_distance,
+        }
+    return ev
 
 
 def _hist(label: str, arms: Arms) -> Plot:

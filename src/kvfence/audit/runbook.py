@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from kvfence.audit.base import (
+    STATISTICAL_CHECKS,
     AuditContext,
     Budget,
     Check,
@@ -144,10 +145,11 @@ def run_audit(
     on_result: Callable[[CheckResult], None] | None = None,
 ) -> AuditRun:
     """Run `checks` on every target in `urls`; every request bounded by `ctx.budget`."""
-    for name in checks:
-        if name not in ALL_CHECKS:
-            raise ValueError(f"unknown check {name!r}; choose from {', '.join(ALL_CHECKS)}")
+    unknown = [name for name in checks if name not in ALL_CHECKS]
+    if unknown:
+        raise ValueError(f"unknown check {unknown[0]!r}; choose from {', '.join(ALL_CHECKS)}")
     ordered = tuple(n for n in ALL_CHECKS if n in checks)
+    ctx.statistical = tuple(n for n in ordered if n in STATISTICAL_CHECKS)  # alpha's split
     started = datetime.now(UTC).isoformat(timespec="seconds")
     t0 = time.monotonic()
     summaries: list[TargetSummary] = []
@@ -177,15 +179,21 @@ def run_audit(
         started_at=started,
         duration_s=time.monotonic() - t0,
         requests_sent=ctx.budget.sent,
-        settings={
-            "engine": engine,
-            "headroom": ctx.headroom,
-            "context_override": ctx.context_override,
-            "seed": ctx.seed,
-            "max_requests": ctx.budget.max_requests,
-            "max_seconds": ctx.budget.max_seconds,
-        },
+        settings=_settings(engine, ctx),
     )
+
+
+def _settings(engine: str, ctx: AuditContext) -> dict[str, JSONValue]:
+    return {
+        "engine": engine,
+        "headroom": ctx.headroom,
+        "context_override": ctx.context_override,
+        "seed": ctx.seed,
+        "alpha": ctx.alpha,
+        "alpha_per_check": {n: ctx.alpha_for(n) for n in ctx.statistical},
+        "max_requests": ctx.budget.max_requests,
+        "max_seconds": ctx.budget.max_seconds,
+    }
 
 
 def _resolve(url: str, engine: str, ctx: AuditContext) -> tuple[TargetSummary, Target | None]:

@@ -24,6 +24,11 @@ What each check needs and the error control it relies on:
   few cache hits cannot drag the line down to meet them.
 * `divergence_excess` — one-sided Fisher exact test that tenant B's output
   diverges more often under tenant A's load than alone (noninterference).
+* `fast_excess` — the same one-sided exact test (hypergeometric tail, in exact
+  integer arithmetic) that the long prompts are "too fast" more often than the
+  reference prompts timed beside them (prefill latency, signal 3), with the
+  smallest p-value the design can reach (`min_p_value`) and the probes needed
+  for a given alpha (`probes_for_alpha`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import numpy as np
 from scipy import stats as sps
@@ -303,3 +309,77 @@ def percentile(values: Sequence[float], q: float) -> float:
     if a.size == 0:
         raise ValueError("percentile of an empty sample")
     return float(np.percentile(a, q))
+
+
+def hypergeom_upper_tail(k: int, total: int, marked: int, drawn: int) -> float:
+    """P(X >= k) for X ~ Hypergeometric(total, marked, drawn), exactly (integer arithmetic).
+
+    X is how many of the ``drawn`` items fall among the ``marked`` ones when
+    ``drawn`` of ``total`` are chosen at random without replacement.
+    """
+    if not 0 <= marked <= total or not 0 <= drawn <= total:
+        raise ValueError(f"bad hypergeometric sizes {total=} {marked=} {drawn=}")
+    hits = sum(
+        math.comb(marked, i) * math.comb(total - marked, drawn - i)
+        for i in range(max(k, 0), min(marked, drawn) + 1)
+    )
+    return float(Fraction(hits, math.comb(total, drawn)))
+
+
+@dataclass(frozen=True, slots=True)
+class ExcessTest:
+    """Long vs reference probes counted "fast", and the one-sided exact p-value."""
+
+    long_fast: int
+    long_total: int
+    ref_fast: int
+    ref_total: int
+    p_value: float
+    min_p_value: float  # the p-value of the most extreme table: every long probe fast, no ref
+
+    def to_json(self) -> dict[str, float | int]:
+        return {
+            "long_fast": self.long_fast,
+            "long_total": self.long_total,
+            "reference_fast": self.ref_fast,
+            "reference_total": self.ref_total,
+            "p_value": self.p_value,
+            "min_p_value": self.min_p_value,
+        }
+
+
+def fast_excess(long_fast: int, long_total: int, ref_fast: int, ref_total: int) -> ExcessTest:
+    """One-sided Fisher exact test of H1 "long probes are fast more often than reference ones".
+
+    Under H0 the "fast" labels are exchangeable between the two groups (the
+    probes are interleaved in time, so load hits both alike); conditional on
+    how many probes were fast in all, the number among the long ones is
+    hypergeometric, and the p-value is its upper tail. Exact for any counts.
+    """
+    for f, t in ((long_fast, long_total), (ref_fast, ref_total)):
+        if t <= 0 or not 0 <= f <= t:
+            raise ValueError(f"bad fast count {f}/{t}")
+    total, fast = long_total + ref_total, long_fast + ref_fast
+    return ExcessTest(
+        long_fast,
+        long_total,
+        ref_fast,
+        ref_total,
+        hypergeom_upper_tail(long_fast, total, fast, long_total),
+        min_p_value(long_total, ref_total),
+    )
+
+
+def min_p_value(long_total: int, ref_total: int) -> float:
+    """The smallest p-value `fast_excess` can return with these group sizes: 1 / C(N, n)."""
+    return float(Fraction(1, math.comb(long_total + ref_total, long_total)))
+
+
+def probes_for_alpha(alpha: float, ref_per_long: int, most: int = 10_000) -> int | None:
+    """Fewest long probes (with ``ref_per_long`` reference probes each) whose best p < alpha."""
+    if not 0 < alpha < 1 or ref_per_long < 1:
+        raise ValueError("need 0 < alpha < 1 and ref_per_long >= 1")
+    for n in range(1, most + 1):
+        if min_p_value(n, n * ref_per_long) < alpha:
+            return n
+    return None

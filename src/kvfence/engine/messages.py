@@ -30,9 +30,11 @@ import json
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvfence.engine.counters import Counters
+
+T = TypeVar("T")
 
 PROTOCOL_VERSION = 2  # 2: WorkerStatus carries its counts as one nested `Counters`
 
@@ -265,6 +267,13 @@ def decode_message(raw: bytes) -> Message:
     if msg.version != PROTOCOL_VERSION:
         raise MessageError(f"{cls.__name__} version {msg.version} != supported {PROTOCOL_VERSION}")
     return typing.cast(Message, msg)
+
+
+def build_checked(cls: type[T], body: Any) -> T:
+    """A frozen dataclass of plain fields from its JSON body, with the message rules: unknown
+    fields, wrong types and missing required fields raise `MessageError`. Used for other
+    dataclasses that cross a process boundary (a worker's spec)."""
+    return typing.cast(T, _build(cls, body))
 
 
 def _build(cls: type, body: Any) -> Any:

@@ -161,60 +161,17 @@ class LlamaModel(CausalLM):
         return model
 
     def load_hf_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        c = self.config
-        used: set[str] = set()
-        missing: list[str] = []
-
-        def take(name: str) -> torch.Tensor | None:
-            if name not in tensors:
-                missing.append(name)
-                return None
-            used.add(name)
-            return tensors[name]
-
-        def put(dst: torch.nn.Parameter | None, *names: str) -> None:
-            parts = [take(n) for n in names]
-            if dst is None or any(p is None for p in parts):
-                return
-            src = torch.cat([p for p in parts if p is not None], dim=0)
-            if tuple(src.shape) != tuple(dst.shape):
-                raise ValueError(
-                    f"weight {'+'.join(names)} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
-                )
-            dst.data.copy_(src.to(dst.dtype))
-
-        put(self.embed, "model.embed_tokens.weight")
-        put(self.norm, "model.norm.weight")
+        w = _Weights(tensors)
+        w.put(self.embed, "model.embed_tokens.weight")
+        w.put(self.norm, "model.norm.weight")
         if self.lm_head is not None:
-            put(self.lm_head, "lm_head.weight")
+            w.put(self.lm_head, "lm_head.weight")
         elif "lm_head.weight" in tensors:
-            used.add("lm_head.weight")  # tied: some checkpoints store the copy anyway
+            w.used.add("lm_head.weight")  # tied: some checkpoints store the copy anyway
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
-            p = f"model.layers.{i}."
-            a, m = p + "self_attn.", p + "mlp."
-            put(layer.input_norm, p + "input_layernorm.weight")
-            put(layer.post_norm, p + "post_attention_layernorm.weight")
-            put(layer.qkv_weight, a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
-            put(layer.o_weight, a + "o_proj.weight")
-            put(layer.gate_up_weight, m + "gate_proj.weight", m + "up_proj.weight")
-            put(layer.down_weight, m + "down_proj.weight")
-            if c.qkv_bias:
-                put(layer.qkv_bias, a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
-            if c.o_bias:
-                put(layer.o_bias, a + "o_proj.bias")
-            if c.mlp_bias:
-                put(layer.gate_up_bias, m + "gate_proj.bias", m + "up_proj.bias")
-                put(layer.down_bias, m + "down_proj.bias")
-        unexpected = sorted(
-            n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq")
-        )
-        if missing or unexpected:
-            raise ValueError(
-                "checkpoint does not match the config: "
-                f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
-                f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
-            )
+            _load_layer(w, layer, f"model.layers.{i}.", self.config)
+        w.check_all_used()
 
     # ---- forward ------------------------------------------------------------------------
 
@@ -233,3 +190,60 @@ class LlamaModel(CausalLM):
             x = rms_norm(x, self.norm, self.config.rms_norm_eps)
             head = self.embed if self.lm_head is None else self.lm_head
             return F.linear(x, head).float()
+
+
+class _Weights:
+    """A checkpoint's tensors, copied into parameters by name; every one used exactly once."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.used: set[str] = set()
+        self.missing: list[str] = []
+
+    def take(self, name: str) -> torch.Tensor | None:
+        if name not in self.tensors:
+            self.missing.append(name)
+            return None
+        self.used.add(name)
+        return self.tensors[name]
+
+    def put(self, dst: torch.nn.Parameter | None, *names: str) -> None:
+        """Copy the named tensors (concatenated on dim 0, e.g. q+k+v) into `dst`."""
+        parts = [self.take(n) for n in names]
+        if dst is None or any(p is None for p in parts):
+            return
+        src = torch.cat([p for p in parts if p is not None], dim=0)
+        if tuple(src.shape) != tuple(dst.shape):
+            raise ValueError(
+                f"weight {'+'.join(names)} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
+            )
+        dst.data.copy_(src.to(dst.dtype))
+
+    def check_all_used(self) -> None:
+        unexpected = sorted(
+            n for n in self.tensors if n not in self.used and not n.endswith("rotary_emb.inv_freq")
+        )
+        missing = self.missing
+        if missing or unexpected:
+            raise ValueError(
+                "checkpoint does not match the config: "
+                f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+                f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+            )
+
+
+def _load_layer(w: _Weights, layer: DecoderLayer, p: str, c: ModelConfig) -> None:
+    a, m = p + "self_attn.", p + "mlp."
+    w.put(layer.input_norm, p + "input_layernorm.weight")
+    w.put(layer.post_norm, p + "post_attention_layernorm.weight")
+    w.put(layer.qkv_weight, a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
+    w.put(layer.o_weight, a + "o_proj.weight")
+    w.put(layer.gate_up_weight, m + "gate_proj.weight", m + "up_proj.weight")
+    w.put(layer.down_weight, m + "down_proj.weight")
+    if c.qkv_bias:
+        w.put(layer.qkv_bias, a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
+    if c.o_bias:
+        w.put(layer.o_bias, a + "o_proj.bias")
+    if c.mlp_bias:
+        w.put(layer.gate_up_bias, m + "gate_proj.bias", m + "up_proj.bias")
+        w.put(layer.down_bias, m + "down_proj.bias")

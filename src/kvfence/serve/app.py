@@ -8,10 +8,12 @@ requires a tenant key unless the server runs in the explicit no-auth dev mode.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
+from prometheus_client import CollectorRegistry
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -80,12 +82,18 @@ def create_app(
     app = FastAPI(title="kvfence", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
     app.state.admission = admission
-
-    def authenticate(request: Request) -> str:
-        return admission.authenticate(request.headers.get("authorization"))
-
     app.state.capacity = capacity
     app.add_middleware(_StatusCounter, counters=counters)
+    _add_error_handlers(app)
+    app.include_router(_generate_routes(router, admission, config))
+    app.include_router(_token_routes(admission, tokenizer, config))
+    operator = _Operator(backend, admission, config, capacity, tenants, router)
+    app.include_router(_operator_routes(operator, registry))
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error is an OpenAI-style envelope; nothing internal leaks in a 500."""
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, e: ApiError) -> Response:
@@ -106,21 +114,25 @@ def create_app(
         err = ApiError(405, f"{request.method} is not allowed on {request.url.path}")
         return JSONResponse(err.body(), status_code=405)
 
-    @app.get("/health")
+
+def _generate_routes(router: Router, admission: Admission, config: ServeConfig) -> APIRouter:
+    routes = APIRouter()
+
+    @routes.get("/health")
     async def health() -> Response:
         return Response(status_code=200)
 
-    @app.post("/v1/completions")
+    @routes.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await router.generate(request, "completion")
 
-    @app.post("/v1/chat/completions")
+    @routes.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await router.generate(request, "chat")
 
-    @app.get("/v1/models")
+    @routes.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        authenticate(request)
+        admission.authenticate(request.headers.get("authorization"))
         return {
             "object": "list",
             "data": [
@@ -134,9 +146,15 @@ def create_app(
             ],
         }
 
-    @app.post("/tokenize")
+    return routes
+
+
+def _token_routes(admission: Admission, tokenizer: Tokenizer, config: ServeConfig) -> APIRouter:
+    routes = APIRouter()
+
+    @routes.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        authenticate(request)
+        admission.authenticate(request.headers.get("authorization"))
         obj = await json_body(request, admission)
         admission.check_model(model_of(obj))
         prompt, messages = protocol.parse_tokenize(obj)
@@ -147,39 +165,62 @@ def create_app(
         )
         return {"count": len(ids), "max_model_len": config.context_length, "tokens": ids}
 
-    @app.post("/detokenize")
+    @routes.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        authenticate(request)
+        admission.authenticate(request.headers.get("authorization"))
         obj = await json_body(request, admission)
         ids = protocol.parse_detokenize(obj)
         admission.check_model(model_of(obj))
         admission.check_ids(ids, "tokens")
         return {"prompt": tokenizer.decode(ids)}
 
-    @app.get("/metrics")
+    return routes
+
+
+@dataclass(frozen=True, slots=True)
+class _Operator:
+    """What /server_info reads: the operator sees every tenant, a tenant only itself."""
+
+    backend: Backend
+    admission: Admission
+    config: ServeConfig
+    capacity: Capacity
+    tenants: TenantRegistry
+    router: Router
+
+    def info(self, authorization: str | None) -> dict[str, Any]:
+        tenant = self.admission.viewer(authorization)
+        stats = self.backend.stats()
+        if tenant is None:  # the operator: every tenant's limits and usage (operator data)
+            every = {"tenants": self.admission.limits.report_all()}
+            return server_info(self.config, self.capacity, stats, self.tenants.auth, every)
+        own = self.admission.limits.report(tenant)
+        full = server_info(self.config, self.capacity, stats, self.tenants.auth, own)
+        return tenant_view(full, tenant, sum(t == tenant for t in self.router.rooms.values()))
+
+
+def _operator_routes(operator: _Operator, registry: CollectorRegistry) -> APIRouter:
+    routes = APIRouter()
+    admission = operator.admission
+
+    @routes.get("/metrics")
     async def metrics(request: Request) -> Response:
         admission.authorize_operator(request.headers.get("authorization"), "/metrics")
         return Response(render(registry), media_type=PROMETHEUS_TYPE)
 
     async def info(request: Request) -> dict[str, Any]:
-        tenant = admission.viewer(request.headers.get("authorization"))
-        if tenant is None:  # the operator: every tenant's limits and usage (operator data)
-            every = {"tenants": admission.limits.report_all()}
-            return server_info(config, capacity, backend.stats(), tenants.auth, every)
-        own = admission.limits.report(tenant)
-        full = server_info(config, capacity, backend.stats(), tenants.auth, own)
-        return tenant_view(full, tenant, sum(t == tenant for t in router.rooms.values()))
+        return operator.info(request.headers.get("authorization"))
 
-    schema = build_openapi(config, capacity)
+    schema = build_openapi(operator.config, operator.capacity)
 
-    @app.get("/openapi.json")
+    @routes.get("/openapi.json")
     async def openapi(request: Request) -> dict[str, Any]:
-        authenticate(request)
+        admission.authenticate(request.headers.get("authorization"))
         return schema
 
-    app.add_api_route("/server_info", info, methods=["GET"])
-    app.add_api_route("/get_server_info", info, methods=["GET"])
-    return app
+    routes.add_api_route("/server_info", info, methods=["GET"])
+    routes.add_api_route("/get_server_info", info, methods=["GET"])
+    return routes
 
 
 async def json_body(request: Request, admission: Admission) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import ipaddress
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -22,11 +23,14 @@ from kvfence.faults import FaultSet
 from kvfence.kv.scrub import ScrubPolicy
 from kvfence.model.config import MODEL_KINDS
 from kvfence.model.tiny import PRESETS, default_checkpoint_dir
-from kvfence.serve.config import ServeConfig
+from kvfence.serve.config import Capacity, ServeConfig
 from kvfence.serve.pd.cli import pd_main
 from kvfence.serve.pd.spec import CROSS_PROCESS, WorkerSpec
 from kvfence.serve.pool_sizing import DEFAULT_KV_FRACTION, PoolSizes, gate_fix_hint
 from kvfence.serve.tenants import TenantFileError, TenantRegistry
+
+if TYPE_CHECKING:
+    from kvfence.serve.build import ServerParts
 
 # Torch, the model and the web stack are imported where they are used: the
 # `--disaggregated` supervisor and the router role never load a model, and on a
@@ -259,66 +263,93 @@ def serve(
     tenants = _tenants(tenants_file, no_auth, host, operator_keys)
     prefill_pages, decode_pages = parse_per_role(kv_pages, "--kv-pages")
     prefill_bytes, decode_bytes = parse_per_role(kv_bytes, "--kv-bytes")
+    sizes = (prefill_pages, decode_pages, prefill_bytes, decode_bytes, kv_memory_fraction)
     if model_dir is None:
         click.echo(f"using the embedded {preset} checkpoint (made on first use)...", err=True)
         model_dir = default_checkpoint_dir(preset=preset)
-    if torch_threads and role in (None, "prefill", "decode") and not disaggregated:
+    params = click.get_current_context().params
+    if disaggregated or role is not None:
+        sys.exit(pd_main(params, faults, tenants, model_dir, _announce))
+    if torch_threads:
         import torch
 
         torch.set_num_threads(torch_threads)
-    if disaggregated or role is not None:
-        params = click.get_current_context().params
-        sys.exit(pd_main(params, faults, tenants, model_dir, _announce))
+    _serve_local(params, faults, tenants, model_dir, sizes)
+
+
+def _serve_local(
+    params: dict[str, Any],
+    faults: FaultSet,
+    tenants: TenantRegistry,
+    model_dir: Path,
+    sizes: tuple[int | None, int | None, int | None, int | None, float],
+) -> None:
+    """The single-process server: build -> capacity gate (I4) -> listen -> serve until stopped."""
     from kvfence.serve.app import create_app
-    from kvfence.serve.build import build_local
-    from kvfence.serve.config import decide_capacity
     from kvfence.serve.thread import bind, serve_forever, url_of
 
-    try:
-        parts = build_local(
-            model_dir,
-            kind=model_kind,
-            context_length=context_length,
-            pools=PoolSizes(
-                prefill_pages, decode_pages, prefill_bytes, decode_bytes, kv_memory_fraction
-            ),
-            page_size=page_size,
-            scrub=ScrubPolicy(scrub),
-            faults=faults,
-            prefix_cache=not no_prefix_cache,
-            shared_prefix_cache=shared_prefix_cache,
-            headroom=headroom,
-            allow_undersized_pool=allow_undersized_pool,
-            default_max_tokens=default_max_tokens,
-        )
-    except (OSError, ValueError) as e:
-        raise click.UsageError(str(e)) from None
-    for line in parts.sizing:
-        click.echo(line, err=True)
-    try:
-        capacity = decide_capacity(parts.config, parts.pipeline.stats().pools)
-    except CapacityGateError as e:
-        click.echo(str(e), err=True)  # I4: the server does not start
-        click.echo(gate_fix_hint(e.report, parts.geometry), err=True)
-        sys.exit(EXIT_GATE)
+    parts = _build_local(params, faults, model_dir, sizes)
+    capacity = _gate(parts)
     app = create_app(
         parts.pipeline,
         parts.loaded.tokenizer,
         parts.config,
         tenants,
         capacity=capacity,
-        request_log=request_log,
+        request_log=params["request_log"],
     )
-    sock = bind(host, port)
+    sock = bind(params["host"], params["port"])
     url = url_of(sock)
     _announce(url, tenants, parts.config.model_name, capacity.report.message())
     parts.pipeline.start()
     try:
-        serve_forever(app, sock, log_level=log_level)
+        serve_forever(app, sock, log_level=params["log_level"])
     finally:
         parts.pipeline.stop()
         sock.close()
         click.echo("kvfence: stopped", err=True)
+
+
+def _build_local(
+    params: dict[str, Any],
+    faults: FaultSet,
+    model_dir: Path,
+    sizes: tuple[int | None, int | None, int | None, int | None, float],
+) -> ServerParts:
+    from kvfence.serve.build import build_local
+
+    try:
+        parts = build_local(
+            model_dir,
+            kind=params["model_kind"],
+            context_length=params["context_length"],
+            pools=PoolSizes(*sizes),
+            page_size=params["page_size"],
+            scrub=ScrubPolicy(params["scrub"]),
+            faults=faults,
+            prefix_cache=not params["no_prefix_cache"],
+            shared_prefix_cache=params["shared_prefix_cache"],
+            headroom=params["headroom"],
+            allow_undersized_pool=params["allow_undersized_pool"],
+            default_max_tokens=params["default_max_tokens"],
+        )
+    except (OSError, ValueError) as e:
+        raise click.UsageError(str(e)) from None
+    for line in parts.sizing:
+        click.echo(line, err=True)
+    return parts
+
+
+def _gate(parts: ServerParts) -> Capacity:
+    """The capacity gate on the live pools; a failing gate exits 1 with its message (I4)."""
+    from kvfence.serve.config import decide_capacity
+
+    try:
+        return decide_capacity(parts.config, parts.pipeline.stats().pools)
+    except CapacityGateError as e:
+        click.echo(str(e), err=True)  # I4: the server does not start
+        click.echo(gate_fix_hint(e.report, parts.geometry), err=True)
+        sys.exit(EXIT_GATE)
 
 
 def _tenants(

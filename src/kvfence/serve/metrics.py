@@ -10,7 +10,7 @@ its own violations (an event for a room that is not the request's, I9).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvfence.engine.backend import BackendStats
+from kvfence.engine.counters import Counters
 
 Outcome = Literal["finished", "rejected", "aborted", "failed"]
 OUTCOMES: tuple[Outcome, ...] = ("finished", "rejected", "aborted", "failed")
@@ -57,57 +58,15 @@ class _Collector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self.stats()
-        c, s = self.counters, stats.counters
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            return CounterMetricFamily(name, doc, value=value)
-
-        requests = CounterMetricFamily(
-            "kvfence_requests", "Generation requests by final outcome", labels=["outcome"]
-        )
-        for outcome in OUTCOMES:
-            requests.add_metric([outcome], c.outcomes[outcome])
-        yield requests
-        http = CounterMetricFamily(
-            "kvfence_http_responses", "HTTP responses by status", labels=["status"]
-        )
-        for status, n in sorted(c.statuses.items()):
-            http.add_metric([status], n)
-        yield http
-        rejections = CounterMetricFamily(
-            "kvfence_rejections", "Requests refused, by reason", labels=["reason"]
-        )
-        for reason, n in sorted(c.rejections.items()):
-            rejections.add_metric([reason], n)
-        yield rejections
-        yield counter("kvfence_prompt_tokens", "Prompt tokens processed", s.prompt_tokens)
-        yield counter("kvfence_generation_tokens", "Tokens generated", s.generation_tokens)
-        yield counter(
-            "kvfence_prefix_cache_queried_tokens",
-            "Prompt tokens looked up in the prefix cache",
-            s.prefix_cache_queried_tokens,
-        )
-        yield counter(
-            "kvfence_prefix_cache_hit_tokens",
-            "Prompt tokens served from the prefix cache",
-            s.prefix_cache_hit_tokens,
-        )
-        yield counter(
-            "kvfence_isolation_violations",
-            "Reads the ledger refused or events for a foreign room (must stay 0)",
-            s.isolation_violations + c.isolation_violations,
-        )
-        yield counter(
-            "kvfence_room_collisions",
-            "Server-made room ids drawn twice and redrawn (I9)",
-            c.room_collisions,
-        )
-        yield counter(
-            "kvfence_transfer_mismatches",
-            "Transfers that did not match their reservation (must stay 0)",
-            s.transfer_mismatches,
-        )
-        yield counter("kvfence_transfer_failures", "KV transfers that failed", s.transfer_failures)
+        c = self.counters
+        outcomes = [(o, c.outcomes[o]) for o in OUTCOMES]
+        yield _by("kvfence_requests", "Generation requests by final outcome", "outcome", outcomes)
+        statuses = sorted(c.statuses.items())
+        yield _by("kvfence_http_responses", "HTTP responses by status", "status", statuses)
+        reasons = sorted(c.rejections.items())
+        yield _by("kvfence_rejections", "Requests refused, by reason", "reason", reasons)
+        for name, doc, value in _totals(c, stats.counters):
+            yield CounterMetricFamily(name, doc, value=value)
         pages = GaugeMetricFamily(
             "kvfence_pool_pages", "KV pool pages by role and state", labels=["role", "state"]
         )
@@ -124,6 +83,47 @@ class _Collector(Collector):
         yield GaugeMetricFamily(
             "kvfence_context_length", "Advertised context window", value=self.context_length
         )
+
+
+def _by(name: str, doc: str, label: str, values: Sequence[tuple[str, int]]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key, n in values:
+        family.add_metric([key], n)
+    return family
+
+
+def _totals(c: RouterCounters, s: Counters) -> list[tuple[str, str, float]]:
+    """The single-value counters: (name, help, value)."""
+    return [
+        ("kvfence_prompt_tokens", "Prompt tokens processed", s.prompt_tokens),
+        ("kvfence_generation_tokens", "Tokens generated", s.generation_tokens),
+        (
+            "kvfence_prefix_cache_queried_tokens",
+            "Prompt tokens looked up in the prefix cache",
+            s.prefix_cache_queried_tokens,
+        ),
+        (
+            "kvfence_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache",
+            s.prefix_cache_hit_tokens,
+        ),
+        (
+            "kvfence_isolation_violations",
+            "Reads the ledger refused or events for a foreign room (must stay 0)",
+            s.isolation_violations + c.isolation_violations,
+        ),
+        (
+            "kvfence_room_collisions",
+            "Server-made room ids drawn twice and redrawn (I9)",
+            c.room_collisions,
+        ),
+        (
+            "kvfence_transfer_mismatches",
+            "Transfers that did not match their reservation (must stay 0)",
+            s.transfer_mismatches,
+        ),
+        ("kvfence_transfer_failures", "KV transfers that failed", s.transfer_failures),
+    ]
 
 
 def make_registry(

@@ -246,8 +246,22 @@ def _op(op_id: str, responses: dict[str, Schema], body: Schema | None = None) ->
 
 def build_openapi(config: ServeConfig, capacity: Capacity) -> dict[str, Any]:
     """The OpenAPI 3.1 document of this server, from its live limits."""
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "kvfence", "version": __version__, "description": __doc__},
+        "paths": _token_paths(config, capacity) | _service_paths(),
+        "security": [{"bearer": []}],
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {"Error": shapes.error()},
+        },
+    }
+
+
+def _token_paths(config: ServeConfig, capacity: Capacity) -> dict[str, Any]:
+    """The routes that take tokens: generation, tokenize, detokenize."""
     gen = ("400", "404", "413", "503")
-    paths = {
+    return {
         "/v1/completions": {
             "post": _op(
                 "completions",
@@ -276,6 +290,11 @@ def build_openapi(config: ServeConfig, capacity: Capacity) -> dict[str, Any]:
                 _detokenize(config),
             )
         },
+    }
+
+
+def _service_paths() -> dict[str, Any]:
+    return {
         "/v1/models": {"get": _op("models", _ok(shapes.models()) | _errors())},
         "/server_info": {"get": _op("server_info", _ok(shapes.server_info()) | _errors())},
         "/get_server_info": {"get": _op("get_server_info", _ok(shapes.server_info()) | _errors())},
@@ -292,15 +311,5 @@ def build_openapi(config: ServeConfig, capacity: Capacity) -> dict[str, Any]:
                 "security": [],
                 "responses": {"200": {"description": "the server is up (empty body)"}},
             }
-        },
-    }
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": "kvfence", "version": __version__, "description": __doc__},
-        "paths": paths,
-        "security": [{"bearer": []}],
-        "components": {
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-            "schemas": {"Error": shapes.error()},
         },
     }

@@ -194,17 +194,8 @@ class Router:
     # ---- the endpoints -------------------------------------------------------------------
 
     async def generate(self, request: Request, kind: Kind) -> Response:
-        tenant: str | None = None
-        try:
-            tenant = self.admission.authenticate(request.headers.get("authorization"))
-            self.admission.limits.precheck(tenant)  # at its concurrency limit: 429, unread
-            body = await read_body(request, self.admission.body_limit, self.config.body_timeout_s)
-            run = self._admit_and_submit(kind, tenant, body, request)
-        except ApiError as e:
-            self.counters.rejected(e.code or e.type)
-            if self.latency is not None and tenant is not None:
-                self.latency.record(tenant, 0, outcome="rejected")
-            raise
+        """admit -> submit -> watch the client -> first event -> stream or collect."""
+        run = await self._admit(request, kind)
         watcher = asyncio.create_task(self._watch_disconnect(request, run))
         self._watchers.add(watcher)  # the loop keeps only weak references to tasks
         watcher.add_done_callback(self._watchers.discard)
@@ -228,6 +219,24 @@ class Router:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
+        return await self._respond(run, first, watcher)
+
+    async def _admit(self, request: Request, kind: Kind) -> Run:
+        """Authenticate, read the body within its limit, admit and submit; a refusal is counted."""
+        tenant: str | None = None
+        try:
+            tenant = self.admission.authenticate(request.headers.get("authorization"))
+            self.admission.limits.precheck(tenant)  # at its concurrency limit: 429, unread
+            body = await read_body(request, self.admission.body_limit, self.config.body_timeout_s)
+            return self._admit_and_submit(kind, tenant, body, request)
+        except ApiError as e:
+            self.counters.rejected(e.code or e.type)
+            if self.latency is not None and tenant is not None:
+                self.latency.record(tenant, 0, outcome="rejected")
+            raise
+
+    async def _respond(self, run: Run, first: Event, watcher: asyncio.Task[None]) -> Response:
+        """The whole (non-stream) answer; the backend side is ended whatever happens."""
         try:
             return await self._collect(run, first)
         except ApiError:

@@ -70,6 +70,21 @@ def parse_listen(addr: str) -> tuple[str, int]:
 @click.option(
     "--headroom", type=click.FloatRange(1.0), default=_DEFAULTS.headroom, show_default=True
 )
+@click.option(
+    "--false-alarms-per-30d",
+    type=click.FloatRange(min=0, min_open=True),
+    default=_DEFAULTS.false_alarms_per_30d,
+    show_default=True,
+    help="false timing alarms allowed per target per 30 days; sets each test's alpha",
+)
+@click.option(
+    "--max-target-share",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=_DEFAULTS.max_target_share,
+    show_default=True,
+    help="the most of a target's time the canary and timing rounds may take (over 5 min); "
+    "a gate re-run on a change always runs",
+)
 @click.option("--listen", default=None, help="HOST:PORT for the guard's own /metrics")
 @click.option("--once", is_flag=True, help="one interval, then exit 0 pass, 1 fail, 2 inconclusive")
 @click.option("--no-canary", is_flag=True, help="send no canary pairs")
@@ -83,13 +98,23 @@ def watch(
     interval: float,
     requests_per_minute: int,
     headroom: float,
+    false_alarms_per_30d: float,
+    max_target_share: float,
     listen: str | None,
     once: bool,
     no_canary: bool,
     no_timing: bool,
 ) -> None:
     """Guard running engines: re-gate on every capacity change, canaries, prefill floor."""
-    config = GuardConfig(interval, requests_per_minute, headroom, not no_canary, not no_timing)
+    config = GuardConfig(
+        interval,
+        requests_per_minute,
+        headroom,
+        not no_canary,
+        not no_timing,
+        false_alarms_per_30d,
+        max_target_share,
+    )
     metrics = WatchMetrics()
     keys = Keys(key_a, key_b, operator_key)
     guards = [TargetGuard(url.rstrip("/"), engine, keys, config, metrics) for url in targets]
@@ -99,9 +124,11 @@ def watch(
         click.echo(f"guard metrics at http://{host}:{server.server_port}/metrics", err=True)
     click.echo(
         f"watching {len(guards)} target(s) every {interval:g} s, "
-        f"at most {requests_per_minute} probe requests per target per minute",
+        f"at most {requests_per_minute} probe requests per target per minute and "
+        f"{max_target_share:.1%} of its time",
         err=True,
     )
+    click.echo(config.budget.describe(), err=not once)
     try:
         if once:
             sys.exit(run_once(guards))

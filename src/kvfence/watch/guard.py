@@ -19,13 +19,18 @@ from kvfence.audit.base import AuditContext, Budget, CheckResult, Verdict, run_c
 from kvfence.audit.runbook import load_check
 from kvfence.audit.targets.base import Target, TargetFacts
 from kvfence.audit.targets.registry import make_target
+from kvfence.watch.budget import AlarmBudget
 from kvfence.watch.fingerprint import Fingerprint
 from kvfence.watch.metrics import WatchMetrics
-from kvfence.watch.probes import Makers, TimingWindow, canary_pair
+from kvfence.watch.probes import ROUND, Makers, TimingWindow, canary_pair
 
 log = logging.getLogger(__name__)
 FOREVER_S = 10 * 365 * 86400.0  # the watcher's budget is per minute, not per run
-PROBE_ROUND = 3 + 2 + 6  # timing probes + canary pair + the pair's tokenize/detokenize calls
+PROBE_ROUND = ROUND + 2 + 6  # timing probes + canary pair + the pair's tokenize/detokenize calls
+# The share of the target's time the probe rounds may take is measured over this window.
+# A round's wall time is a sum of sequential request latencies: an upper bound on the
+# engine time it used (a batching engine serves it beside its traffic for less).
+SHARE_WINDOW_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +47,12 @@ class GuardConfig:
     headroom: float = 1.25
     canary: bool = True
     timing: bool = True
+    false_alarms_per_30d: float = 1.0
+    max_target_share: float = 0.02  # of the target's time, for canary + timing rounds
+
+    @property
+    def budget(self) -> AlarmBudget:
+        return AlarmBudget(self.false_alarms_per_30d, self.interval_s)
 
 
 @dataclass(slots=True)
@@ -73,12 +84,16 @@ class TargetGuard:
         )
         self.rng = random.Random()
         self.fingerprint: Fingerprint | None = None
-        self.timing = TimingWindow()
+        self.timing = TimingWindow(config.budget.alpha)
         self.makers: Makers | None = None
         self.sent_at: deque[float] = deque()
+        self.busy: deque[tuple[float, float]] = deque()  # (round start, round seconds)
+        self.started = time.monotonic()
         self.turn = 0
         self.last: Interval | None = None
         metrics.start(url)
+        metrics.budget.labels(url).set(config.false_alarms_per_30d)
+        metrics.timing_alpha.labels(url).set(self.timing.alpha)
 
     def cycle(self) -> Interval:
         sent0 = self.ctx.budget.sent
@@ -141,6 +156,22 @@ class TargetGuard:
             self.metrics.skipped.labels(self.url).inc()
             out.notes.append("probe round skipped: request budget per minute reached")
             return
+        share = self._share()
+        if share > self.config.max_target_share:
+            self.metrics.skipped.labels(self.url).inc()
+            out.notes.append(
+                f"probe round skipped: the guard's rounds took {share:.1%} of the target's time "
+                f"in the last {SHARE_WINDOW_S:.0f} s (limit {self.config.max_target_share:.1%})"
+            )
+            return
+        t0 = time.monotonic()
+        try:
+            self._round(target, facts, limit, out)
+        finally:
+            self.busy.append((t0, time.monotonic() - t0))
+
+    def _round(self, target: Target, facts: TargetFacts, limit: int, out: Interval) -> None:
+        """One canary pair and one timing round (the probes the share limit meters)."""
         a, b = self.ctx.client(target, "a"), self.ctx.client(target, "b")
         if self.makers is None:
             self.makers = Makers.of(a, b, facts, self.rng)
@@ -159,6 +190,8 @@ class TargetGuard:
             floor = result.evidence.get("alarm_threshold_s")
             if isinstance(floor, float):
                 self.metrics.prefill_floor.labels(self.url).set(floor)
+            if result.p_value is not None:
+                self.metrics.timing_p.labels(self.url).set(result.p_value)
             out.notes.append(f"timing window: {result.verdict.value}: {result.summary}")
             if alarm:
                 out.too_fast = True
@@ -173,6 +206,14 @@ class TargetGuard:
             self.metrics.context.labels(self.url).set(ctx)
         if pool is not None and ctx is not None:
             self.metrics.margin.labels(self.url).set(pool - ctx * self.config.headroom)
+
+    def _share(self) -> float:
+        """Seconds of probe rounds over the window's span (at least one interval), as a share."""
+        now = time.monotonic()
+        while self.busy and now - self.busy[0][0] > SHARE_WINDOW_S:
+            self.busy.popleft()
+        span = max(min(SHARE_WINDOW_S, now - self.started), self.config.interval_s)
+        return sum(d for _, d in self.busy) / span
 
     def _within_budget(self, n: int) -> bool:
         now = time.monotonic()

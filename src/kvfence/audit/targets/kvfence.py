@@ -6,7 +6,7 @@ server is recognised only by what it says (`lab.faults`), never by a backdoor.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kvfence.audit.base import Fact
 from kvfence.audit.client import ProbeClient
@@ -52,60 +52,14 @@ class KvfenceTarget(Target):
             return facts
         if not model.known and isinstance(info.get("model"), str):
             facts.model = Fact(info["model"], "GET /server_info model")
-
-        def num(key: str, note: str = "") -> Fact:
-            v, _ = json_int(info, key)
-            src = f"GET /server_info {key}"
-            return Fact(v, src, note) if v is not None else Fact.unknown(src, "absent")
-
-        facts.pool_tokens = num("max_total_num_tokens", "the smallest prefill KV pool, in tokens")
-        facts.context_length = num("context_length")
-        edge, _ = json_int(info, "max_req_input_len")
-        if edge is not None:
-            # kvfence's edge rule is prompt + max_tokens <= max_req_input_len (I4).
-            facts.max_input = Fact(
-                edge - 1,
-                "GET /server_info max_req_input_len - 1",
-                "kvfence rejects prompt + max_tokens > max_req_input_len",
-            )
-        else:
-            facts.max_input = Fact.unknown("GET /server_info max_req_input_len", "absent")
-        facts.page_size = num("page_size")
-        pc = info.get("prefix_cache")
-        if isinstance(pc, dict) and isinstance(pc.get("enabled"), bool):
-            facts.prefix_caching = Fact(
-                pc["enabled"],
-                "GET /server_info prefix_cache.enabled",
-                f"namespacing: {pc.get('namespacing')}",
-            )
-            if isinstance(pc.get("cache_salt"), bool):
-                facts.cache_salt_supported = Fact(
-                    pc["cache_salt"], "GET /server_info prefix_cache.cache_salt"
-                )
+        _read_sizes(facts, info)
+        _read_prefix_cache(facts, info)
         facts.tokenizer = tokenizer_fact(client)
         for key in ("undersized_pool", "disaggregated", "transport", "scrub_policy", "auth"):
             v = info.get(key)
             if isinstance(v, bool | int | float | str):
                 facts.extra[key] = Fact(v, f"GET /server_info {key}")
-        lab = info.get("lab")
-        if isinstance(lab, dict):
-            faults = lab.get("faults") or []
-            facts.extra["lab_faults"] = Fact(
-                ",".join(str(f) for f in faults) if faults else "none",
-                "GET /server_info lab.faults",
-                "a non-empty list means a lab server with defences switched off",
-            )
-            if lab.get("profile") is not None:
-                facts.extra["lab_profile"] = Fact(
-                    str(lab["profile"]), "GET /server_info lab.profile"
-                )
-        gate = info.get("capacity_gate")
-        if isinstance(gate, dict) and isinstance(gate.get("passed"), bool):
-            facts.extra["engine_gate_passed"] = Fact(
-                gate["passed"],
-                "GET /server_info capacity_gate.passed",
-                str(gate.get("message", "")),
-            )
+        _read_lab_and_gate(facts, info)
         facts.counters = self._counters(ep)
         return facts
 
@@ -129,3 +83,61 @@ class KvfenceTarget(Target):
 
 def isolation_counter_names() -> tuple[str, ...]:
     return ISOLATION_COUNTERS
+
+
+def _num(info: dict[str, Any], key: str, note: str = "") -> Fact:
+    v, _ = json_int(info, key)
+    src = f"GET /server_info {key}"
+    return Fact(v, src, note) if v is not None else Fact.unknown(src, "absent")
+
+
+def _read_sizes(facts: TargetFacts, info: dict[str, Any]) -> None:
+    facts.pool_tokens = _num(
+        info, "max_total_num_tokens", "the smallest prefill KV pool, in tokens"
+    )
+    facts.context_length = _num(info, "context_length")
+    edge, _ = json_int(info, "max_req_input_len")
+    if edge is not None:
+        # kvfence's edge rule is prompt + max_tokens <= max_req_input_len (I4).
+        facts.max_input = Fact(
+            edge - 1,
+            "GET /server_info max_req_input_len - 1",
+            "kvfence rejects prompt + max_tokens > max_req_input_len",
+        )
+    else:
+        facts.max_input = Fact.unknown("GET /server_info max_req_input_len", "absent")
+    facts.page_size = _num(info, "page_size")
+
+
+def _read_prefix_cache(facts: TargetFacts, info: dict[str, Any]) -> None:
+    pc = info.get("prefix_cache")
+    if isinstance(pc, dict) and isinstance(pc.get("enabled"), bool):
+        facts.prefix_caching = Fact(
+            pc["enabled"],
+            "GET /server_info prefix_cache.enabled",
+            f"namespacing: {pc.get('namespacing')}",
+        )
+        if isinstance(pc.get("cache_salt"), bool):
+            facts.cache_salt_supported = Fact(
+                pc["cache_salt"], "GET /server_info prefix_cache.cache_salt"
+            )
+
+
+def _read_lab_and_gate(facts: TargetFacts, info: dict[str, Any]) -> None:
+    lab = info.get("lab")
+    if isinstance(lab, dict):
+        faults = lab.get("faults") or []
+        facts.extra["lab_faults"] = Fact(
+            ",".join(str(f) for f in faults) if faults else "none",
+            "GET /server_info lab.faults",
+            "a non-empty list means a lab server with defences switched off",
+        )
+        if lab.get("profile") is not None:
+            facts.extra["lab_profile"] = Fact(str(lab["profile"]), "GET /server_info lab.profile")
+    gate = info.get("capacity_gate")
+    if isinstance(gate, dict) and isinstance(gate.get("passed"), bool):
+        facts.extra["engine_gate_passed"] = Fact(
+            gate["passed"],
+            "GET /server_info capacity_gate.passed",
+            str(gate.get("message", "")),
+        )

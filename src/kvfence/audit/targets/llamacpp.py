@@ -42,43 +42,7 @@ class LlamacppTarget(Target):
         facts = TargetFacts(engine=Fact("llamacpp", "GET /props"), model=model)
         props = ep.json("/props") or {}
         dgs = props.get("default_generation_settings")
-        n_ctx, _ = json_int(dgs if isinstance(dgs, dict) else None, "n_ctx")
-        src = "GET /props default_generation_settings.n_ctx"
-        if n_ctx is None:
-            meta = (entry or {}).get("meta")
-            n_ctx, _ = json_int(meta if isinstance(meta, dict) else None, "n_ctx")
-            src = "GET /v1/models data[0].meta.n_ctx"
-        slots, _ = json_int(props, "total_slots")
-        if slots is not None:
-            facts.extra["total_slots"] = Fact(slots, "GET /props total_slots")
-        slot_list = ep.get("/slots")
-        if slot_list.ok and isinstance(slot_list.json, list):
-            ctxs = [s.get("n_ctx") for s in slot_list.json if isinstance(s, dict)]
-            ints = [c for c in ctxs if isinstance(c, int)]
-            if ints:
-                facts.extra["slot_n_ctx_min"] = Fact(min(ints), "GET /slots [*].n_ctx (min)")
-                n_ctx = min(n_ctx, *ints) if n_ctx is not None else min(ints)
-        if n_ctx is None:
-            facts.context_length = Fact.unknown(src, "n_ctx not readable")
-            facts.pool_tokens = Fact.unknown(src, "n_ctx not readable")
-        else:
-            facts.context_length = Fact(n_ctx, src, "per slot")
-            facts.max_input = Fact(n_ctx - 1, f"{src} - 1", "llama-server needs prompt < n_ctx")
-            facts.pool_tokens = Fact(
-                n_ctx,
-                f"{src} (lower bound)",
-                "llama.cpp reports n_ctx per slot; with automatic slots all "
-                f"{slots if slots is not None else 'N'} slots share one pool of this size, "
-                "with -np N each owns n_ctx/N of it — HTTP does not say which, so only n_ctx "
-                "per slot is claimed: concurrent long prompts can still exhaust the shared pool",
-            )
-        if slots is None or slots > 1:
-            facts.extra[SHARED_POOL_KEY] = Fact(
-                True,
-                "GET /props total_slots",
-                f"{slots if slots is not None else 'unknown'} slots: with kv_unified they "
-                "share one pool of n_ctx, so one request may hold less (HTTP does not say)",
-            )
+        _read_context(facts, ep, props, entry)
         facts.page_size = Fact.unknown(
             "llama-server", "no paged KV over HTTP (contiguous per slot)"
         )
@@ -96,6 +60,50 @@ class LlamacppTarget(Target):
             if found:
                 facts.counters[name] = Fact(sum(s.value for s in found), f"GET /metrics {name}")
         return facts
+
+
+def _read_context(
+    facts: TargetFacts, ep: Endpoints, props: dict[str, Any], entry: dict[str, Any] | None
+) -> None:
+    """n_ctx per slot (the smallest of /props, /v1/models and /slots), and what it bounds."""
+    dgs = props.get("default_generation_settings")
+    n_ctx, _ = json_int(dgs if isinstance(dgs, dict) else None, "n_ctx")
+    src = "GET /props default_generation_settings.n_ctx"
+    if n_ctx is None:
+        meta = (entry or {}).get("meta")
+        n_ctx, _ = json_int(meta if isinstance(meta, dict) else None, "n_ctx")
+        src = "GET /v1/models data[0].meta.n_ctx"
+    slots, _ = json_int(props, "total_slots")
+    if slots is not None:
+        facts.extra["total_slots"] = Fact(slots, "GET /props total_slots")
+    slot_list = ep.get("/slots")
+    if slot_list.ok and isinstance(slot_list.json, list):
+        ctxs = [s.get("n_ctx") for s in slot_list.json if isinstance(s, dict)]
+        ints = [c for c in ctxs if isinstance(c, int)]
+        if ints:
+            facts.extra["slot_n_ctx_min"] = Fact(min(ints), "GET /slots [*].n_ctx (min)")
+            n_ctx = min(n_ctx, *ints) if n_ctx is not None else min(ints)
+    if slots is None or slots > 1:
+        facts.extra[SHARED_POOL_KEY] = Fact(
+            True,
+            "GET /props total_slots",
+            f"{slots if slots is not None else 'unknown'} slots: with kv_unified they "
+            "share one pool of n_ctx, so one request may hold less (HTTP does not say)",
+        )
+    if n_ctx is None:
+        facts.context_length = Fact.unknown(src, "n_ctx not readable")
+        facts.pool_tokens = Fact.unknown(src, "n_ctx not readable")
+        return
+    facts.context_length = Fact(n_ctx, src, "per slot")
+    facts.max_input = Fact(n_ctx - 1, f"{src} - 1", "llama-server needs prompt < n_ctx")
+    facts.pool_tokens = Fact(
+        n_ctx,
+        f"{src} (lower bound)",
+        "llama.cpp reports n_ctx per slot; with automatic slots all "
+        f"{slots if slots is not None else 'N'} slots share one pool of this size, "
+        "with -np N each owns n_ctx/N of it — HTTP does not say which, so only n_ctx "
+        "per slot is claimed: concurrent long prompts can still exhaust the shared pool",
+    )
 
 
 def prompt_cache_fact(dgs: dict[str, Any] | None) -> Fact:

@@ -4,83 +4,77 @@
 child processes on loopback, supervised together (one dies -> all stop, with
 a message naming it). `kvfence serve --role router|prefill|decode` runs one
 role for a multi-host deployment; the addresses say where the others are
-(the router role is `router_role.py`, the workers `workers.py`).
+(the router role is `router_role.py`, the workers `workers.py`, started from the
+`WorkerSpec` built here by `worker_entry.py`).
 """
 
 from __future__ import annotations
 
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+from kvfence.serve.pd.spec import WorkerSpec, write_worker_spec
 from kvfence.serve.supervisor import ChildSpec, Supervisor, free_port
 from kvfence.serve.tenants import TenantRegistry
 
 
-def disaggregated_children(
-    role_args: Sequence[str],
-    *,
-    n_prefill: int,
-    n_decode: int,
-    host: str,
-    port: int,
-    tenants_file: Path | None,
-    router_args: Sequence[str] = (),
-) -> list[ChildSpec]:
-    """The argv of every role on loopback: workers first, the router last.
+@dataclass(frozen=True, slots=True)
+class Loopback:
+    """The control addresses of every role on one host."""
 
-    `tenants_file` None is the dev mode: the router gets `--no-auth` and checks the
-    loopback rule itself (a keyless registry has no file form, so none is written).
-    """
-    if n_prefill < 1 or n_decode < 1:
-        raise ValueError("--prefill and --decode need at least one worker each")
-    loop = "tcp://127.0.0.1"
-    router_inbox = f"{loop}:{free_port()}"
-    prefill = [f"{loop}:{free_port()}" for _ in range(n_prefill)]
-    decode = [f"{loop}:{free_port()}" for _ in range(n_decode)]
-    base = (sys.executable, "-m", "kvfence", "serve", *role_args)
-    children = [
-        ChildSpec(
-            f"prefill-{i}",
-            (*base, "--role", "prefill", "--inbox", a, "--router-addr", router_inbox),
+    router: str
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+
+    @classmethod
+    def pick(cls, n_prefill: int, n_decode: int) -> Loopback:
+        if n_prefill < 1 or n_decode < 1:
+            raise ValueError("--prefill and --decode need at least one worker each")
+        loop = "tcp://127.0.0.1"
+        return cls(
+            f"{loop}:{free_port()}",
+            tuple(f"{loop}:{free_port()}" for _ in range(n_prefill)),
+            tuple(f"{loop}:{free_port()}" for _ in range(n_decode)),
         )
-        for i, a in enumerate(prefill)
-    ]
-    children += [
-        ChildSpec(
-            f"decode-{i}", (*base, "--role", "decode", "--inbox", a, "--router-addr", router_inbox)
-        )
-        for i, a in enumerate(decode)
-    ]
-    peers = [x for a in prefill for x in ("--prefill-addr", a)] + [
-        x for a in decode for x in ("--decode-addr", a)
-    ]
-    auth = ("--no-auth",) if tenants_file is None else ("--tenants", str(tenants_file))
-    children.append(
-        ChildSpec(
-            "router",
-            (
-                *base,
-                "--role",
-                "router",
-                "--inbox",
-                router_inbox,
-                *peers,
-                "--host",
-                host,
-                "--port",
-                str(port),
-                *auth,
-                *router_args,
-            ),
-        )
-    )
+
+    def peer_args(self) -> list[str]:
+        return [x for a in self.prefill for x in ("--prefill-addr", a)] + [
+            x for a in self.decode for x in ("--decode-addr", a)
+        ]
+
+
+# Builds a worker's spec from its role, its inbox and the router's inbox.
+WorkerSpecFor = Callable[[str, str, str], WorkerSpec]
+
+
+def worker_children(spec_for: WorkerSpecFor, addrs: Loopback, spec_dir: Path) -> list[ChildSpec]:
+    """One child per worker, each handed the spec built here, as a file (serve/pd/spec.py)."""
+    children = []
+    for role, inboxes in (("prefill", addrs.prefill), ("decode", addrs.decode)):
+        for i, inbox in enumerate(inboxes):
+            path = spec_dir / f"{role}-{i}.json"
+            write_worker_spec(spec_for(role, inbox, addrs.router), path)
+            argv = (sys.executable, "-m", "kvfence.serve.pd.worker_entry", str(path))
+            children.append(ChildSpec(f"{role}-{i}", argv))
     return children
 
 
+def router_child(
+    router_args: Sequence[str], addrs: Loopback, host: str, port: int, tenants_file: Path | None
+) -> ChildSpec:
+    """The router's argv. `tenants_file` None is the dev mode: the router gets `--no-auth` and
+    checks the loopback rule itself (a keyless registry has no file form, so none is written)."""
+    where = ["--inbox", addrs.router, *addrs.peer_args(), "--host", host, "--port", str(port)]
+    argv = (sys.executable, "-m", "kvfence", "serve", "--role", "router", *where)
+    auth = ("--no-auth",) if tenants_file is None else ("--tenants", str(tenants_file))
+    return ChildSpec("router", (*argv, *auth, *router_args))
+
+
 def run_disaggregated(
-    role_args: Sequence[str],
+    spec_for: WorkerSpecFor,
     *,
     n_prefill: int,
     n_decode: int,
@@ -89,20 +83,15 @@ def run_disaggregated(
     tenants: TenantRegistry,
     router_args: Sequence[str] = (),
 ) -> int:
-    """Supervise every role; Ctrl-C or any role's exit stops them all."""
+    """Supervise every role (workers first, the router last); Ctrl-C or any role's exit stops
+    them all."""
+    addrs = Loopback.pick(n_prefill, n_decode)
     with tempfile.TemporaryDirectory(prefix="kvfence-pd-") as tmp:
         tenants_file: Path | None = None
         if tenants.auth != "none":
             tenants_file = Path(tmp) / "tenants.json"
             tenants_file.touch(mode=0o600)
             tenants_file.write_text(tenants.to_json())
-        children = disaggregated_children(
-            role_args,
-            n_prefill=n_prefill,
-            n_decode=n_decode,
-            host=host,
-            port=port,
-            tenants_file=tenants_file,
-            router_args=router_args,
-        )
+        children = worker_children(spec_for, addrs, Path(tmp))
+        children.append(router_child(router_args, addrs, host, port, tenants_file))
         return Supervisor(children).run_until_done()

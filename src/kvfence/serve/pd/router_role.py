@@ -46,27 +46,30 @@ class RouterSpec:
     log_level: str = "warning"
     request_log: Path | None = None
 
+    def serve_config(self) -> ServeConfig:
+        """The router's config, with the model's facts read from its config.json."""
+        config = ModelConfig.from_file(Path(self.model_dir) / "config.json")
+        return ServeConfig(
+            model_name=Path(self.model_dir).name,
+            context_length=self.context_length or config.max_position_embeddings,
+            vocab_size=config.vocab_size,
+            headroom=self.headroom,
+            allow_undersized_pool=self.allow_undersized_pool,
+            faults=FaultSet.parse(self.faults),
+            default_max_tokens=self.default_max_tokens,
+            scrub_policy=self.scrub_policy,
+            transport=self.transport,
+            disaggregated=True,
+            prefix_cache=self.prefix_cache,
+            shared_prefix_cache=self.shared_prefix_cache,
+        )
+
 
 def run_router(spec: RouterSpec, tenants: TenantRegistry, announce: object) -> int:
     """Serve the public API over worker processes. Exit 1 if the live pools fail the gate (I4)."""
-    model_dir = Path(spec.model_dir)
-    config = ModelConfig.from_file(model_dir / "config.json")
-    tokenizer = Tokenizer.from_dir(model_dir)
-    faults = FaultSet.parse(spec.faults)
-    serve_config = ServeConfig(
-        model_name=model_dir.name,
-        context_length=spec.context_length or config.max_position_embeddings,
-        vocab_size=config.vocab_size,
-        headroom=spec.headroom,
-        allow_undersized_pool=spec.allow_undersized_pool,
-        faults=faults,
-        default_max_tokens=spec.default_max_tokens,
-        scrub_policy=spec.scrub_policy,
-        transport=spec.transport,
-        disaggregated=True,
-        prefix_cache=spec.prefix_cache,
-        shared_prefix_cache=spec.shared_prefix_cache,
-    )
+    serve_config = spec.serve_config()
+    tokenizer = Tokenizer.from_dir(Path(spec.model_dir))
+    faults = serve_config.faults
     backend = PDBackend(
         spec.inbox, list(spec.prefill), list(spec.decode), faults=faults, timeouts=spec.timeouts
     )

@@ -12,14 +12,9 @@ from typing import Any
 import click
 
 from kvfence.faults import FaultSet
+from kvfence.serve.pd.cli import worker_spec
+from kvfence.serve.pd.worker_entry import set_torch_threads
 from kvfence.serve.tenants import TenantRegistry
-
-
-def _per_role(value: str | None, role: str) -> int | None:
-    from kvfence.serve.cli import parse_per_role  # late: serve.cli imports pd.cli, which imports us
-
-    prefill, decode = parse_per_role(value, f"--kv-* ({role})")
-    return prefill if role == "prefill" else decode
 
 
 def read_secret(path: Path | None) -> str:
@@ -140,27 +135,11 @@ def sglang_main(
             "with --router sglang, --role is prefill or decode (the router is sglang-router: "
             "python -m sglang_router.launch_router --pd-disaggregation …)"
         )
-    from kvfence.serve.pd.spec import WorkerSpec
     from kvfence.serve.sglang.worker import SglangWorkerSpec, run_sglang_worker  # torch
 
-    worker = WorkerSpec(
-        role=role,
-        model_dir=str(model_dir),
-        model_kind=params["model_kind"],
-        inbox="-",  # no kvfence control plane: the bootstrap channel replaces it
-        router="-",
-        pages=_per_role(params["kv_pages"], role),
-        kv_bytes=_per_role(params["kv_bytes"], role),
-        kv_memory_fraction=params["kv_memory_fraction"],
-        page_size=params["page_size"],
-        context_length=params["context_length"],
-        scrub=params["scrub"],
-        prefix_cache=not params["no_prefix_cache"],
-        shared_prefix_namespace="shared" if params["shared_prefix_cache"] else None,
-        faults=tuple(faults.names()),
-        transport=params["transport"],
-        kv_host=params["kv_host"],
-    )
+    # No kvfence control plane: the bootstrap channel replaces the inbox and the router.
+    worker = worker_spec(params, faults, model_dir, role, inbox="-", router="-")
+    set_torch_threads(worker.torch_threads)
     spec = SglangWorkerSpec(
         worker=worker,
         secret=read_secret(params["router_secret_file"]),

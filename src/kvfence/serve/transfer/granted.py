@@ -1,4 +1,4 @@
-"""The grant handshake for backends whose engine writes decode's memory (Mooncake, NIXL).
+"""The grant handshake for backends that write decode's memory (shared memory, Mooncake, NIXL).
 
 The transfer engine moves bytes between registered buffers and knows nothing
 of pages, rooms or tenants: a write to any address inside decode's registered
@@ -152,8 +152,10 @@ class GrantingReceiver(ListeningReceiver):
         return True
 
 
-class GrantedSender(InPlaceSender):
-    """Prefill's half: asks for the grant, then has its engine write the granted pages."""
+class GrantClient(InPlaceSender):
+    """Prefill's half of the handshake: the hello, then a grant asked for every room.
+
+    A subclass completes a granted transfer its own way and ends it with `send_end`."""
 
     def __init__(self, address: str, scheme: str) -> None:
         host, port = framing.parse_address(address, scheme)
@@ -177,6 +179,17 @@ class GrantedSender(InPlaceSender):
         if kind != framing.GRANT:
             raise TransportClosed(f"expected a grant, got {kind!r}")
 
+    def send_end(self, end: bytes) -> None:
+        framing.send_frame(self._sock, framing.END, end)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class GrantedSender(GrantClient):
+    """Prefill's half for a transfer engine: asks for the grant, then has its engine write
+    the granted pages and signal the end."""
+
     def complete(self, out: Outgoing) -> None:
         checksum = source_checksum(out)
         out.manifest = dataclasses.replace(out.manifest, checksum=checksum)
@@ -192,9 +205,3 @@ class GrantedSender(InPlaceSender):
     @abstractmethod
     def write(self, out: Outgoing, end: bytes) -> str | None:
         """Have the engine write the copy runs and signal the end; None, or why it failed."""
-
-    def send_end(self, end: bytes) -> None:
-        framing.send_frame(self._sock, framing.END, end)
-
-    def close(self) -> None:
-        self._sock.close()

@@ -2,7 +2,8 @@
 
 Decode's K/V storage is a file in /dev/shm mapped with `torch.from_file`
 (`ShmTransport.create_pool`). A sender connects to decode's control socket,
-learns the file and pool shape from the hello, and maps it. Per transfer:
+learns the file and pool shape from the hello, and maps it. The handshake is the
+grant handshake of `granted.py` (`GrantingReceiver`, `GrantClient`). Per transfer:
 
   sender -> B(manifest)   may I write this room's pages?
   decode -> G | D(why)    granted only for an expected room whose reserved
@@ -19,24 +20,19 @@ by the closed socket and its rooms are confirmed ended (I7).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-import socket
 import uuid
 from typing import Any
 
 import torch
 
-from kvfence.engine.messages import MessageError, TransferManifest, decode_message, encode_message
 from kvfence.engine.reconcile import byte_views
 from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import KVPool
-from kvfence.serve.transfer import framing
-from kvfence.serve.transfer.base import InPlaceSender, KVTransport, TransferRefused, TransportClosed
-from kvfence.serve.transfer.granted import parse_end
-from kvfence.serve.transfer.layout import Outgoing, PoolShape, copy_runs_into
-from kvfence.serve.transfer.listener import ListeningReceiver, tune
+from kvfence.serve.transfer.base import KVTransport
+from kvfence.serve.transfer.granted import GrantClient, GrantingReceiver, end_body
+from kvfence.serve.transfer.layout import Outgoing, copy_runs_into
 
 log = logging.getLogger(__name__)
 
@@ -66,59 +62,17 @@ def map_storage(
     return k, v
 
 
-class ShmReceiver(ListeningReceiver):
+class ShmReceiver(GrantingReceiver):
+    """Decode's half: the grant handshake of `granted.py`; the hello names the shared file."""
+
     scheme = "shm"
 
     def __init__(self, pool: KVPool, path: str, host: str = "127.0.0.1", port: int = 0) -> None:
         self.path = path
         super().__init__(pool, host, port)
 
-    def hello(self) -> dict[str, Any]:
-        return {**super().hello(), "path": self.path}
-
-    def serve(self, conn: socket.socket, granted: set[str]) -> None:
-        manifests: dict[str, TransferManifest] = {}
-        while True:
-            try:
-                kind, body, payload_len = framing.recv_frame(conn)
-            except TransportClosed:
-                return
-            if payload_len:
-                raise TransportClosed("a shared-memory control frame carries no payload")
-            if kind == framing.BEGIN:
-                self._begin(conn, body, manifests, granted)
-            elif kind == framing.END:
-                room, checksum = parse_end(body)
-                if room not in manifests:
-                    raise TransportClosed(f"end of room {room!r} that was never granted here")
-                manifest = dataclasses.replace(manifests.pop(room), checksum=checksum)
-                self.book.landed(manifest, None)
-                granted.discard(room)
-            else:
-                raise TransportClosed(f"unexpected control frame {kind!r}")
-
-    def _begin(
-        self,
-        conn: socket.socket,
-        body: bytes,
-        manifests: dict[str, TransferManifest],
-        granted: set[str],
-    ) -> None:
-        try:
-            msg = decode_message(body)
-        except MessageError as e:
-            framing.send_frame(conn, framing.DENY, f"malformed manifest: {e}".encode())
-            return
-        if not isinstance(msg, TransferManifest):
-            framing.send_frame(conn, framing.DENY, b"expected a TransferManifest")
-            return
-        why = self.book.grant(msg)
-        if why is not None:
-            framing.send_frame(conn, framing.DENY, why.encode())
-            return
-        manifests[msg.room] = msg
-        granted.add(msg.room)
-        framing.send_frame(conn, framing.GRANT, b"")
+    def engine_hello(self) -> dict[str, Any]:
+        return {"path": self.path}
 
     def close(self) -> None:
         super().close()
@@ -128,41 +82,21 @@ class ShmReceiver(ListeningReceiver):
             log.debug("shared KV file %s already removed", self.path)
 
 
-class ShmSender(InPlaceSender):
+class ShmSender(GrantClient):
+    """Prefill's half: maps decode's file from the hello and, once granted, copies the pages
+    into it itself, checksumming each chunk as it copies (one pass over the payload)."""
+
     def __init__(self, address: str) -> None:
-        host, port = framing.parse_address(address, "shm")
-        self._sock = socket.create_connection((host, port))
-        tune(self._sock)
-        kind, body, _ = framing.recv_frame(self._sock)
-        if kind != framing.HELLO:
-            raise TransportClosed(f"expected a hello from {address}, got {kind!r}")
-        hello = json.loads(body)
-        self._shape = PoolShape.from_json(hello)
-        k, v = map_storage(hello["path"], self._shape.geometry, self._shape.num_pages, create=False)
+        super().__init__(address, "shm")
+        shape = self.dest_shape
+        k, v = map_storage(self.hello["path"], shape.geometry, shape.num_pages, create=False)
         self._storage = (k, v)  # keeps the mapping alive as long as the sender
-        self._dest = byte_views(KVPool(self._shape.geometry, self._shape.num_pages, storage=(k, v)))
-
-    @property
-    def dest_shape(self) -> PoolShape:
-        return self._shape
-
-    def begin(self, out: Outgoing) -> None:
-        framing.send_frame(self._sock, framing.BEGIN, encode_message(out.manifest))
-        kind, body, _ = framing.recv_frame(self._sock)
-        if kind == framing.DENY:
-            raise TransferRefused(body.decode(errors="replace"))
-        if kind != framing.GRANT:
-            raise TransportClosed(f"expected a grant, got {kind!r}")
+        self._dest = byte_views(KVPool(shape.geometry, shape.num_pages, storage=(k, v)))
 
     def complete(self, out: Outgoing) -> None:
         checksum = copy_runs_into(out, self._dest, byte_views(out.src_pool))
         out.manifest = dataclasses.replace(out.manifest, checksum=checksum)
-        framing.send_json(
-            self._sock, framing.END, {"room": out.manifest.room, "checksum": checksum}
-        )
-
-    def close(self) -> None:
-        self._sock.close()
+        self.send_end(end_body(out.manifest.room, checksum))
 
 
 class ShmTransport(KVTransport):

@@ -1,0 +1,355 @@
+"""Signal 3 as a hypothesis test: were the long prompts prefilled?
+
+H0: "the long prompts were prefilled". Prefilling more tokens is more work,
+so under H0 the long probes' times are stochastically no smaller than those
+of the *neighbour* bucket (the longest shorter length) timed beside them:
+the probes are interleaved in time, so load, GC pauses and noisy neighbours
+hit both alike. Only this monotonicity is assumed — no straight line is
+extrapolated: a cost curve that bends under load (batching makes it concave,
+page and chunk boundaries make it steppy) would make a fitted line
+over-predict the long prompts and page someone for nothing.
+
+1. Buckets: short (the shortest length), neighbour, long (the longest).
+2. Two labellings of "fast", each a symmetric function of the pooled long ∪
+   neighbour sample (and of the short bucket, which is neither), so neither
+   depends on which pooled probe is long: below the fixed floor
+   ``median(short) + f · (q75(pooled) − median(short))`` (a probe that
+   skipped a fraction f of the extra cost: sees a skip of only some long
+   prompts), and below the pooled median (Mood's median test: sits in the
+   gap a skipped prefill opens wherever the placeholder's own cost puts it).
+3. Conditional on how many pooled probes are fast, the number among the long
+   ones is hypergeometric when the labels are exchangeable, and stochastically
+   smaller under H0's ordering; the one-sided exact (Fisher) p-value is its
+   upper tail (`stats.fast_excess`); p = 2 × the smaller of the two
+   (Bonferroni). The median labelling counts only when the long prompts'
+   median lies below the neighbours' by at least a quarter of their extra
+   cost over a short prompt (material: a kernel shape that makes 512 tokens
+   a little faster than 215 is no leak).
+   A skipped prefill (a cross-tenant cache hit, a 1-token placeholder) makes
+   every long probe fast and no neighbour.
+4. FAIL when p < alpha *and*
+   the physics is measurable: the extra cost ``q75 − median(short)`` clears
+   k·σ (σ: the short bucket's robust spread) and the Theil–Sen slope over
+   all shorter probes is > 0 — with ``strict_physics`` (the guard) its lower
+   95% bound is. FAIL ⊂ {p < alpha}, so the false-alarm rate is ≤ alpha.
+   INCONCLUSIVE when the physics is not measurable, or when even the most
+   extreme outcome (every long probe fast, no neighbour) could not reach
+   alpha — the summary says how many probes would. PASS otherwise. Every
+   verdict carries the p-value, the alpha and the requests it took.
+
+The Theil–Sen fit over the shorter probes is drawn in the plot and reported;
+it decides nothing but the strict physics.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvfence.audit.base import DEFAULT_ALPHA, JSONValue, Plot, PlotSeries, Verdict
+from kvfence.audit.latency_exact import (
+    Buckets,
+    Floor,
+    LatencySample,
+    Test,
+    TimingKind,
+    buckets,
+    design_p_value,
+    exact_test,
+)
+from kvfence.audit.stats import (
+    ExcessTest,
+    LinearFit,
+    percentile,
+    robust_line,
+    robust_sigma,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyConfig:
+    """Thresholds of the analysis and the live sweep's shape.
+
+    ``skipped_fraction`` (f) places the "fast" floor and ``tolerance_sigmas``
+    (k) the measurability bar, ``material_fraction`` how far below its
+    neighbours the long bucket must be for the median labelling to count
+    (module docstring). ``alpha``: the test's level; None takes the audit's share of
+    its family-wise ``--alpha`` (`AuditContext.alpha_for`). ``repeats``: probes
+    per length; None sizes them so the design reaches alpha with ``slack``
+    probes to spare (`repeats_for`). ``lengths`` overrides the sweep (else
+    geometric from ``min_tokens`` to the longest accepted prompt, ``points``
+    lengths). ``long_quantile`` is reported, not judged.
+    """
+
+    tolerance_sigmas: float = 4.0
+    skipped_fraction: float = 0.5
+    material_fraction: float = 0.25
+    alpha: float | None = None
+    long_quantile: float = 5.0
+    repeats: int | None = None
+    slack: int = 4
+    max_repeats: int = 64
+    points: int = 5
+    min_tokens: int = 16
+    max_tokens_cap: int | None = None
+    lengths: tuple[int, ...] | None = None
+    min_samples: int = 8
+    noise_floor_s: float = 1e-4
+    warmup: int = 1
+    max_error_fraction: float = 0.2
+    token_range: tuple[int, int] = (100, 500)
+    strict_physics: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tolerance_sigmas <= 0 or not 0 < self.skipped_fraction <= 1:
+            raise ValueError("need tolerance_sigmas > 0 and 0 < skipped_fraction <= 1")
+        if not 0 < self.long_quantile < 50:
+            raise ValueError("long_quantile must be in (0, 50)")
+        if self.alpha is not None and not 0 < self.alpha < 1:
+            raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
+        if (self.repeats is not None and self.repeats < 1) or self.points < 3:
+            raise ValueError("need repeats >= 1 and points >= 3")
+        if self.min_tokens < 1 or self.slack < 0 or self.max_repeats < 1:
+            raise ValueError("need min_tokens >= 1, slack >= 0 and max_repeats >= 1")
+
+    def sweep(self, longest_accepted: int) -> list[int]:
+        """The prompt lengths to probe, ending at the longest accepted prompt."""
+        if self.lengths is not None:
+            return sorted(set(self.lengths))
+        top = longest_accepted
+        if self.max_tokens_cap is not None:
+            top = min(top, self.max_tokens_cap)
+        if top <= self.min_tokens:
+            return [top]
+        # Geometric up to half the longest, then the longest: the test compares the long
+        # prompts with their neighbour, and a neighbour at half the length pays a large
+        # share of the long prompt's cost, so a skip opens the widest gap it can.
+        grid = np.geomspace(self.min_tokens, max(self.min_tokens, top // 2), self.points - 1)
+        return sorted({round(float(v)) for v in grid} | {top})
+
+    def repeats_for(self, alpha: float) -> int:
+        """Probes per length: as configured, or the fewest whose design reaches alpha."""
+        if self.repeats is not None:
+            return self.repeats
+        for r in range(1, self.max_repeats + 1):  # x 2: the two tests' Bonferroni split
+            if 2 * design_p_value(r, r, self.slack) < alpha:
+                return r
+        return self.max_repeats
+
+
+@dataclass(slots=True)
+class LatencyAnalysis:
+    """The outcome of the analysis: verdict, summary, evidence and plot data."""
+
+    verdict: Verdict
+    summary: str
+    evidence: dict[str, JSONValue] = field(default_factory=dict)
+    plot: Plot | None = None
+    fit: LinearFit | None = None
+    flagged: list[LatencySample] = field(default_factory=list)
+    p_value: float | None = None
+    alpha: float = DEFAULT_ALPHA
+
+
+def _inconclusive(why: str, evidence: dict[str, JSONValue], alpha: float) -> LatencyAnalysis:
+    return LatencyAnalysis(Verdict.INCONCLUSIVE, why, {**evidence, "alpha": alpha}, alpha=alpha)
+
+
+def analyse(
+    samples: Sequence[LatencySample], config: LatencyConfig | None = None
+) -> LatencyAnalysis:
+    """Test H0 "the long prompts were prefilled" (module docstring) on timed fresh prompts."""
+    cfg = config or LatencyConfig()
+    alpha = cfg.alpha if cfg.alpha is not None else DEFAULT_ALPHA
+    if len(samples) < cfg.min_samples:
+        why = f"only {len(samples)} timed requests (need {cfg.min_samples})"
+        return _inconclusive(why, {"samples": len(samples)}, alpha)
+    b = buckets(samples)
+    ref_lengths = {s.prompt_tokens for s in b.reference}
+    if len(ref_lengths) < 2 or len(b.reference) < 3 or not b.long or not b.neighbour:
+        why = "need at least two shorter prompt lengths and a long bucket to compare"
+        return _inconclusive(why, {"samples": len(samples), "lengths": len(ref_lengths)}, alpha)
+    fit = robust_line([s.prompt_tokens for s in b.reference], [s.seconds for s in b.reference])
+    short_t, pooled = [s.seconds for s in b.short], [s.seconds for s in b.long + b.neighbour]
+    floor = Floor(
+        float(np.median(short_t)),
+        max(robust_sigma(short_t), cfg.noise_floor_s),
+        percentile(pooled, 75.0),
+        float(np.median(pooled)),
+        cfg.skipped_fraction,
+    )
+    test = exact_test(b, floor, cfg.material_fraction)
+    flagged = [s for s in b.long if s.seconds < test.threshold]
+    evidence = _evidence(samples, b, fit, floor, test, flagged, cfg, alpha)
+    result = _judge(b, fit, floor, test, cfg, alpha, evidence)
+    result.plot, result.fit, result.flagged = _plot(samples, fit, flagged), fit, flagged
+    return result
+
+
+def _measurable(fit: LinearFit, floor: Floor, cfg: LatencyConfig) -> bool:
+    """A skipped prefill would be visible: the extra cost is above the noise."""
+    slope = fit.slope_low if cfg.strict_physics else fit.slope  # the guard: the lower bound
+    return slope > 0 and floor.increment >= cfg.tolerance_sigmas * floor.sigma
+
+
+def _judge(
+    b: Buckets,
+    fit: LinearFit,
+    floor: Floor,
+    test: Test,
+    cfg: LatencyConfig,
+    alpha: float,
+    evidence: dict[str, JSONValue],
+) -> LatencyAnalysis:
+    excess = test.excess
+    long_len = float(np.median([s.prompt_tokens for s in b.long]))
+    mid_len = float(np.median([s.prompt_tokens for s in b.neighbour]))
+    n = excess.long_total + excess.ref_total
+    counts = (
+        f"{excess.long_fast} of {excess.long_total} long ({long_len:.0f}-token) probes under "
+        f"the {test.name} {test.threshold * 1e3:.2f} ms vs {excess.ref_fast} of {excess.ref_total} "
+        f"{mid_len:.0f}-token ones"
+    )
+    stat = f"p = {test.p_value:.2g}, alpha {alpha:.2g}, {n} requests compared"
+    if not _measurable(fit, floor, cfg):
+        verdict, summary = (
+            Verdict.INCONCLUSIVE,
+            (
+                f"prefill cost not measurable above noise: the costlier prompts pay only "
+                f"{floor.increment * 1e3:.3f} ms over {floor.short_median * 1e3:.2f} ms "
+                f"(noise σ {floor.sigma * 1e3:.3f} ms, need {cfg.tolerance_sigmas:g}σ); "
+                f"{counts} ({stat})"
+            ),
+        )
+    elif test.p_value < alpha:
+        verdict, summary = Verdict.FAIL, f"long prompts answered too fast: {counts} ({stat})"
+    elif test.min_p_value >= alpha:
+        need = _probes_needed(excess, alpha, cfg.slack)
+        verdict, summary = (
+            Verdict.INCONCLUSIVE,
+            (
+                f"too few probes to reach alpha {alpha:.2g}: even every long probe fast would give "
+                f"p = {test.min_p_value:.2g}; {need}; {counts}"
+            ),
+        )
+    else:
+        verdict, summary = Verdict.PASS, f"long prompts pay their prefill: {counts} ({stat})"
+    return LatencyAnalysis(verdict, summary, evidence, p_value=test.p_value, alpha=alpha)
+
+
+def _probes_needed(excess: ExcessTest, alpha: float, slack: int) -> str:
+    for n in range(max(excess.long_total, excess.ref_total) + 1, 1001):
+        if 2 * design_p_value(n, n, slack) < alpha:
+            return f"{n} long and {n} neighbour probes would"
+    return "more than 1000 long probes would be needed"
+
+
+def _evidence(
+    samples: Sequence[LatencySample],
+    b: Buckets,
+    fit: LinearFit,
+    floor: Floor,
+    test: Test,
+    flagged: list[LatencySample],
+    cfg: LatencyConfig,
+    alpha: float,
+) -> dict[str, JSONValue]:
+    return {
+        "samples": len(samples),
+        "timing": dict(Counter(s.kind for s in samples)),
+        "fit": {
+            "slope_s_per_token": fit.slope,
+            "intercept_s": fit.intercept,
+            "slope_95ci": [fit.slope_low, fit.slope_high],
+            "residual_sigma_s": fit.residual_sigma,
+            "fitted_on": len(b.reference),
+        },
+        **_buckets_json(b, floor, cfg),
+        "predicted_prefill_increment_s": floor.increment,
+        "alarm_threshold_s": test.threshold,
+        "test": {
+            "decided_by": test.name,
+            **test.tables,
+            "p_value": test.p_value,
+            "alpha": alpha,
+            "h0": "the long prompts were prefilled: no faster than the neighbour bucket",
+            "method": "one-sided exact hypergeometric (Fisher) tests, long vs neighbour, "
+            "labelled by the fixed floor and by the pooled median; Bonferroni x 2",
+        },
+        "p_value": test.p_value,
+        "alpha": alpha,
+        "flagged": [
+            {"prompt_tokens": s.prompt_tokens, "seconds": s.seconds, "source": s.source}
+            for s in flagged[:50]
+        ],
+        "flagged_count": len(flagged),
+    }
+
+
+def _buckets_json(b: Buckets, floor: Floor, cfg: LatencyConfig) -> dict[str, JSONValue]:
+    def tokens(bucket: list[LatencySample]) -> float:
+        return float(np.median([s.prompt_tokens for s in bucket]))
+
+    long_t = [s.seconds for s in b.long]
+    return {
+        "short_bucket": {
+            "tokens": tokens(b.short),
+            "n": len(b.short),
+            "median_s": floor.short_median,
+            "noise_sigma_s": floor.sigma,
+        },
+        "neighbour_bucket": {
+            "tokens": tokens(b.neighbour),
+            "n": len(b.neighbour),
+            "median_s": float(np.median([s.seconds for s in b.neighbour])),
+        },
+        "long_bucket": {
+            "tokens": tokens(b.long),
+            "n": len(b.long),
+            f"p{cfg.long_quantile:g}_s": percentile(long_t, cfg.long_quantile),
+            "median_s": float(np.median(long_t)),
+        },
+    }
+
+
+def _plot(samples: Sequence[LatencySample], fit: LinearFit, flagged: list[LatencySample]) -> Plot:
+    flagged_ids = {id(s) for s in flagged}
+    xs = [float(s.prompt_tokens) for s in samples]
+    lo, hi = min(xs), max(xs)
+    return Plot(
+        kind="xy",
+        title="TTFT vs prompt length",
+        x_label="prompt tokens",
+        y_label="seconds",
+        series=[
+            PlotSeries(
+                "requests",
+                x=xs,
+                y=[s.seconds for s in samples],
+                style="points",
+                flags=[id(s) in flagged_ids for s in samples],
+                labels=[s.source for s in samples],
+            ),
+            PlotSeries(
+                "prefill fit",
+                x=[lo, hi],
+                y=[float(fit.predict(lo)), float(fit.predict(hi))],
+                style="line",
+            ),
+        ],
+        note="fit on all but the longest bucket (Theil–Sen); red: long prompts under the floor",
+    )
+
+
+__all__ = [
+    "LatencyAnalysis",
+    "LatencyConfig",
+    "LatencySample",
+    "TimingKind",
+    "analyse",
+    "buckets",
+    "design_p_value",
+]

@@ -1,0 +1,56 @@
+"""A worker process's entry: the WorkerSpec its supervisor built, validated, then the role.
+
+    python -m kvfence.serve.pd.worker_entry SPEC.json
+
+`kvfence serve --disaggregated` writes one spec a worker (serve/pd/spec.py) and starts each
+worker with this entry, so a role's options are built once, in the supervisor, and never
+turned back into argv. A spec that does not validate ends the worker with exit code 2 and
+the reason, before it loads a model.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from kvfence.serve.pd.spec import SpecError, WorkerSpec, read_worker_spec
+
+EXIT_BAD_SPEC = 2
+
+
+def set_torch_threads(n: int) -> None:
+    """Intra-op threads for this worker's model; 0 keeps torch's default."""
+    if n:
+        import torch  # torch: workers only
+
+        torch.set_num_threads(n)
+
+
+def run_worker_process(spec: WorkerSpec) -> int:
+    """Run one worker role to its end; this process then exits without finalisation."""
+    set_torch_threads(spec.torch_threads)
+    from kvfence.serve.pd.workers import run_worker
+
+    rc = run_worker(spec)  # sockets closed, shared memory unlinked, engines stopped
+    # Skip interpreter finalisation: it took 7-20 s in workers holding torch and zmq state,
+    # which made every supervised shutdown wait (nothing is left to flush but stdio).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m kvfence.serve.pd.worker_entry SPEC.json", file=sys.stderr)
+        return EXIT_BAD_SPEC
+    try:
+        spec = read_worker_spec(Path(argv[0]))
+    except SpecError as e:
+        print(f"kvfence worker: {e}", file=sys.stderr)
+        return EXIT_BAD_SPEC
+    return run_worker_process(spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
