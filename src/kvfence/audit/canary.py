@@ -140,10 +140,7 @@ class CanaryCheck(Check):
     ) -> CheckResult:
         hits = find_hits(planted, observed)
         evidence = _evidence(planted, a_interleaved, observed, hits)
-        evidence["over_long_probes"] = [
-            pr.to_json([o.response for o in observed if o.label.endswith(pr.label)])
-            for pr in probes
-        ]
+        evidence["over_long_probes"] = _probes_json(probes, observed)
         a_ok, b_answered = evidence["a_requests_ok"], evidence["b_answered"]
         if hits:
             first = hits[0]
@@ -169,14 +166,12 @@ class CanaryCheck(Check):
                 f"{len(observed) - b_answered} tenant-B requests got no HTTP answer",
                 evidence,
             )
-        unverified = [f"{pr.label}: {pr.tokens} tokens" for pr in probes if not pr.verified]
-        note = f"; not verified over their bound: {', '.join(unverified)}" if unverified else ""
         return self.result(
             target,
             Verdict.PASS,
             f"{len(planted)} sentinels, {a_ok} A requests, {len(observed)} B requests "
             "(sequential and interleaved, incl. over-long): no sentinel or 4-token fragment in B"
-            + note,
+            + _unverified_note(probes),
             evidence,
         )
 
@@ -278,6 +273,18 @@ def find_hits(planted: list[Planted], observed: list[Observed]) -> list[dict[str
                     }
                 )
     return hits
+
+
+def _probes_json(probes: list[OverLong], observed: list[Observed]) -> list[Any]:
+    """Each over-long probe's measured length, with the engine's count where it answered 200."""
+    return [
+        pr.to_json([o.response for o in observed if o.label.endswith(pr.label)]) for pr in probes
+    ]
+
+
+def _unverified_note(probes: list[OverLong]) -> str:
+    unverified = [f"{pr.label}: {pr.tokens} tokens" for pr in probes if not pr.verified]
+    return f"; not verified over their bound: {', '.join(unverified)}" if unverified else ""
 
 
 def _evidence(
