@@ -93,6 +93,7 @@ def test_audit_through_the_router_matches_kvfences_own_edge(
     probe = over_long_probe(tmp_path / "r.json", "limit")
     assert probe["verified_over_bound"] and probe["prompt_tokens"] > probe["bound"], probe
     assert "/tokenize on prefill worker" in probe["measured_by"], probe
+    assert "/r/" not in probe["measured_by"], "the router credential (worker URL path) leaked"
 
 
 def test_bootstrap_fields_and_rid_from_a_tenant_are_refused(hardened: Fleet) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from kvfence.audit.base import JSONValue
 from kvfence.audit.client import ProbeClient, ProbeResponse
@@ -23,6 +24,18 @@ from kvfence.audit.prompts import Prompt, PromptMaker
 from kvfence.audit.targets.base import TargetFacts
 
 MAX_GROW_ROUNDS = 4
+
+
+def origin(url: str) -> str:
+    """scheme://host:port only: a worker URL's path can be a router's credential
+    (kvfence workers behind sglang-router are registered as /r/<secret>)."""
+    parts = urlsplit(url)
+    return (
+        f"{parts.scheme}://{parts.hostname}:{parts.port}"
+        if parts.port
+        else f"{parts.scheme}://{parts.hostname}"
+    )
+
 
 Counter = Callable[[str], "int | None"]
 
@@ -72,7 +85,7 @@ class TokenCounter:
             c.model = client.model
             if c.tokenize("hello world"):
                 self.client = self._own = c
-                self.source = f"POST /tokenize on prefill worker {node.url}"
+                self.source = f"POST /tokenize on prefill worker {origin(node.url)}"
                 return
             c.close()
 
