@@ -47,8 +47,8 @@ from kvfence.model.loader import LoadedModel, load_model
 from kvfence.serve.channel import Inbox, Outbox, Waker
 from kvfence.serve.pd.spec import WorkerSpec
 from kvfence.serve.pool_sizing import PoolSizes, available_memory_bytes
-from kvfence.serve.transfer.base import KVSender, TransferRefused, TransportClosed
 from kvfence.serve.transfer.registry import get_transport
+from kvfence.serve.transfer.senders import Senders
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class PrefillWorker:
         self.engine = PrefillEngine(loaded.model, self.pool, config, faults)
         self.transport = get_transport(spec.transport)
         self.control = _Control(spec, [PrefillWork, Abort])
-        self.senders: dict[str, KVSender] = {}  # decode KV address -> its sender
+        self.senders = Senders(self.transport)  # one per decode KV address
         self.dest_of: dict[str, str] = {}  # room -> decode KV address
         self.transfer_failures = 0
 
@@ -209,20 +209,11 @@ class PrefillWorker:
             self.engine.abort(msg.room, msg.reason)
 
     def send_kv(self, t: OutboundTransfer) -> bool:
-        addr = self.dest_of.pop(t.room, "")
-        try:
-            sender = self.senders.get(addr)
-            if sender is None:
-                sender = self.senders[addr] = self.transport.sender(addr)
-            sender.send(t, self.pool)
+        why = self.senders.send(self.dest_of.pop(t.room, ""), t, self.pool)
+        if why is None:
             return True
-        except (TransferRefused, TransportClosed, OSError, ValueError) as e:
-            broken = self.senders.pop(addr, None)
-            if broken is not None and not isinstance(e, TransferRefused):
-                broken.close()
-            why = f"KV transfer to decode failed: {e}"
-            self.control.send(Failure(t.room, ErrorInfo(502, "transfer_failed", why)))
-            return False
+        self.control.send(Failure(t.room, ErrorInfo(502, "transfer_failed", why)))
+        return False
 
     def status(self) -> WorkerStatus:
         cache = self.engine.cache
@@ -240,8 +231,7 @@ class PrefillWorker:
         return list(self.dest_of)
 
     def close(self) -> None:
-        for s in self.senders.values():
-            s.close()
+        self.senders.close()
 
 
 class DecodeWorker:

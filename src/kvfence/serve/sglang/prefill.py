@@ -35,7 +35,8 @@ from kvfence.engine.messages import (
 from kvfence.engine.prefill import OutboundTransfer, PrefillEngine
 from kvfence.kv.pool import PageHandle
 from kvfence.serve.sglang.side import PAIR_TIMEOUT_S, Cancel, PairSide, Reject, Submit
-from kvfence.serve.transfer.base import KVSender, KVTransport, TransferRefused, TransportClosed
+from kvfence.serve.transfer.base import KVTransport
+from kvfence.serve.transfer.senders import Senders
 
 
 @dataclass(slots=True)
@@ -59,7 +60,7 @@ class PrefillSide(PairSide):
         self.pairs: dict[str, _Pair] = {}  # rooms waiting for their other half
         self.live: dict[str, tuple[Sink, RoomRegistration]] = {}  # paired rooms in the engine
         self.answered: set[str] = set()  # live rooms whose HTTP side has had its one end (I6)
-        self.senders: dict[str, KVSender] = {}
+        self.senders = Senders(transport)
         self.transfer_failures = 0
         self.room_mismatches = 0
 
@@ -205,21 +206,13 @@ class PrefillSide(PairSide):
     def _send_kv(self, t: OutboundTransfer) -> bool:
         entry = self.live.get(t.room)
         addr = entry[1].kv_address if entry is not None else ""
-        try:
-            sender = self.senders.get(addr)
-            if sender is None:
-                sender = self.senders[addr] = self.transport.sender(addr)
-            sender.send(t, self.pool)
+        why = self.senders.send(addr, t, self.pool)
+        if why is None:
             return True
-        except (TransferRefused, TransportClosed, OSError, ValueError) as e:
-            broken = self.senders.pop(addr, None)
-            if broken is not None and not isinstance(e, TransferRefused):
-                broken.close()
-            self.transfer_failures += 1
-            why = f"KV transfer to decode failed: {e}"
-            self._end(t.room, Failure(t.room, ErrorInfo(502, "transfer_failed", why)))
-            self._tell_decode(t.room, TransferDone(t.room, ok=False))  # nothing more will land
-            return False
+        self.transfer_failures += 1
+        self._end(t.room, Failure(t.room, ErrorInfo(502, "transfer_failed", why)))
+        self._tell_decode(t.room, TransferDone(t.room, ok=False))  # nothing more will land
+        return False
 
     # ---- facts -------------------------------------------------------------------------
 
@@ -241,5 +234,4 @@ class PrefillSide(PairSide):
             self._tell_decode(room, TransferDone(room, ok=False))
 
     def close(self) -> None:
-        for s in self.senders.values():
-            s.close()
+        self.senders.close()
