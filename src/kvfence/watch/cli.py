@@ -82,7 +82,7 @@ def parse_listen(addr: str) -> tuple[str, int]:
     type=click.FloatRange(0, 1, min_open=True),
     default=_DEFAULTS.max_target_share,
     show_default=True,
-    help="the most of a target's time the canary and timing rounds may take (over 5 min); "
+    help="the most of a target's time the canary and timing rounds may take (rounds are spaced); "
     "a gate re-run on a change always runs",
 )
 @click.option("--listen", default=None, help="HOST:PORT for the guard's own /metrics")

@@ -27,10 +27,6 @@ from kvfence.watch.probes import ROUND, Makers, TimingWindow, canary_pair
 log = logging.getLogger(__name__)
 FOREVER_S = 10 * 365 * 86400.0  # the watcher's budget is per minute, not per run
 PROBE_ROUND = ROUND + 2 + 6  # timing probes + canary pair + the pair's tokenize/detokenize calls
-# The share of the target's time the probe rounds may take is measured over this window.
-# A round's wall time is a sum of sequential request latencies: an upper bound on the
-# engine time it used (a batching engine serves it beside its traffic for less).
-SHARE_WINDOW_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +83,11 @@ class TargetGuard:
         self.timing = TimingWindow(config.budget.alpha)
         self.makers: Makers | None = None
         self.sent_at: deque[float] = deque()
-        self.busy: deque[tuple[float, float]] = deque()  # (round start, round seconds)
-        self.started = time.monotonic()
+        # Probe rounds are spaced so they take at most max_target_share of the time: a round
+        # that took d seconds is followed by the next no sooner than d / share after it began.
+        # A round's wall time is a sum of sequential request latencies, an upper bound on the
+        # engine time it used (a batching engine serves it beside its traffic for less).
+        self.next_round_at = 0.0
         self.turn = 0
         self.last: Interval | None = None
         metrics.start(url)
@@ -156,19 +155,18 @@ class TargetGuard:
             self.metrics.skipped.labels(self.url).inc()
             out.notes.append("probe round skipped: request budget per minute reached")
             return
-        share = self._share()
-        if share > self.config.max_target_share:
+        t0 = time.monotonic()
+        if t0 < self.next_round_at:
             self.metrics.skipped.labels(self.url).inc()
             out.notes.append(
-                f"probe round skipped: the guard's rounds took {share:.1%} of the target's time "
-                f"in the last {SHARE_WINDOW_S:.0f} s (limit {self.config.max_target_share:.1%})"
+                f"probe round skipped: next in {self.next_round_at - t0:.0f} s, so the guard's "
+                f"rounds take at most {self.config.max_target_share:.1%} of the target's time"
             )
             return
-        t0 = time.monotonic()
         try:
             self._round(target, facts, limit, out)
         finally:
-            self.busy.append((t0, time.monotonic() - t0))
+            self.next_round_at = self.spaced(t0, time.monotonic() - t0)
 
     def _round(self, target: Target, facts: TargetFacts, limit: int, out: Interval) -> None:
         """One canary pair and one timing round (the probes the share limit meters)."""
@@ -207,13 +205,9 @@ class TargetGuard:
         if pool is not None and ctx is not None:
             self.metrics.margin.labels(self.url).set(pool - ctx * self.config.headroom)
 
-    def _share(self) -> float:
-        """Seconds of probe rounds over the window's span (at least one interval), as a share."""
-        now = time.monotonic()
-        while self.busy and now - self.busy[0][0] > SHARE_WINDOW_S:
-            self.busy.popleft()
-        span = max(min(SHARE_WINDOW_S, now - self.started), self.config.interval_s)
-        return sum(d for _, d in self.busy) / span
+    def spaced(self, started: float, took_s: float) -> float:
+        """When the next round may start after one that began at `started` and took `took_s`."""
+        return started + took_s / self.config.max_target_share
 
     def _within_budget(self, n: int) -> bool:
         now = time.monotonic()
