@@ -14,9 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvfence.serve.pd.spec import SpecError, WorkerSpec, read_worker_spec
-
-EXIT_BAD_SPEC = 2
+from kvfence.serve.pd.spec import EXIT_BAD_SPEC, SpecError, WorkerSpec, read_spec
 
 
 def set_torch_threads(n: int) -> None:
@@ -45,7 +43,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m kvfence.serve.pd.worker_entry SPEC.json", file=sys.stderr)
         return EXIT_BAD_SPEC
     try:
-        spec = read_worker_spec(Path(argv[0]))
+        spec = read_spec(WorkerSpec, Path(argv[0]))
     except SpecError as e:
         print(f"kvfence worker: {e}", file=sys.stderr)
         return EXIT_BAD_SPEC
