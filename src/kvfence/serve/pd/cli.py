@@ -46,10 +46,10 @@ def pd_main(
     if params["inbox"] is None:
         raise click.UsageError(f"--role {role} needs --inbox (this role's control address)")
     if role == "router":
-        spec = _operator_router_spec(params, faults, model_dir)
+        router = _operator_router_spec(params, faults, model_dir)
         from kvfence.serve.pd.router_role import run_router  # the web stack: past validation
 
-        return run_router(spec, tenants, announce)
+        return run_router(router, tenants, announce)
     if params["router_addr"] is None:
         raise click.UsageError(f"--role {role} needs --router-addr (the router's control address)")
     from kvfence.serve.pd.worker_entry import run_worker_process

@@ -13,9 +13,8 @@ ends the router with exit code 2 and the reason, before it binds or loads the we
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from kvfence.serve.pd.spec import EXIT_BAD_SPEC, RouterSpec, SpecError, read_spec
+from kvfence.serve.pd.spec import EXIT_BAD_SPEC, RouterSpec, SpecError, spec_from_argv
 from kvfence.serve.tenants import TenantFileError, TenantRegistry
 
 
@@ -32,11 +31,8 @@ def tenants_of(spec: RouterSpec) -> TenantRegistry:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m kvfence.serve.pd.router_entry SPEC.json", file=sys.stderr)
-        return EXIT_BAD_SPEC
     try:
-        spec = read_spec(RouterSpec, Path(argv[0]))
+        spec = spec_from_argv(RouterSpec, argv)
         tenants = tenants_of(spec)
     except SpecError as e:
         print(f"kvfence router: {e}", file=sys.stderr)

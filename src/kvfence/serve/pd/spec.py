@@ -202,3 +202,11 @@ def read_spec(cls: type[Spec], path: Path) -> Spec:
     except OSError as e:
         raise SpecError(f"cannot read the {_what(cls)} {path}: {e}") from None
     return decode_spec(cls, raw)
+
+
+def spec_from_argv(cls: type[Spec], argv: list[str]) -> Spec:
+    """A child entry's one argument, its spec file, read and validated."""
+    if len(argv) != 1:
+        entry = _what(cls).split()[0] + "_entry"
+        raise SpecError(f"usage: python -m kvfence.serve.pd.{entry} SPEC.json")
+    return read_spec(cls, Path(argv[0]))
