@@ -165,6 +165,17 @@ def matrix(
         also=also,
         server=server,
     )
+    console.print(_matrix_table(results))
+    bad = [r for r in results if not r.as_expected]
+    if bad:
+        console.print(f"[red]{len(bad)} combination(s) did not behave as expected[/]")
+        sys.exit(1)
+    console.print(
+        "[green]defence in depth holds[/]: the leak occurs only with every defence off; any one defence stops it"
+    )
+
+
+def _matrix_table(results: list[MatrixRow]) -> Table:
     table = Table(
         title="defence matrix (I4 capacity gate/edge, I2 terminal reject, I3 reconciliation, I1 ledger check)"
     )
@@ -180,14 +191,7 @@ def matrix(
             row.expected.value + ("" if row.as_expected else "  <-- MISMATCH"),
             style=style,
         )
-    console.print(table)
-    bad = [r for r in results if not r.as_expected]
-    if bad:
-        console.print(f"[red]{len(bad)} combination(s) did not behave as expected[/]")
-        sys.exit(1)
-    console.print(
-        "[green]defence in depth holds[/]: the leak occurs only with every defence off; any one defence stops it"
-    )
+    return table
 
 
 def ri_topic(i: int) -> str:
