@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from kvfence.serve.sglang.gate import router_url
-from kvfence.serve.supervisor import Supervisor, free_port
+from kvfence.serve.supervisor import Supervisor, free_port, spawn
 
 ANNOUNCE = "KVFENCE_SGLANG_WORKER "  # worker.ANNOUNCE (kept torch-free here)
 
@@ -144,7 +144,7 @@ class Stack:
 
     def _spawn(self, name: str, argv: Sequence[str]) -> None:
         with (self.workdir / f"{name}.log").open("wb") as out:
-            proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT)
+            proc = spawn(argv, stdout=out, stderr=subprocess.STDOUT)  # ends with this process
         self.supervisor.procs[name] = proc
 
     def _announced(self, name: str, role: str, deadline: float) -> Worker:
