@@ -94,7 +94,7 @@ class RouterTarget(Target):
         facts.extra["workers"] = Fact(
             len(workers),
             "router GET /workers",
-            ", ".join(f"{w.url} ({w.worker_type})" for w in workers),
+            ", ".join(f"{w.origin} ({w.worker_type})" for w in workers),
         )
         return facts
 
