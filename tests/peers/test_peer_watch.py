@@ -82,3 +82,37 @@ def test_watch_once_on_llamacpp_never_passes_the_shared_slot_bound(
     assert line(result.output, "capacity:") == f"capacity: inconclusive: {summary}"
     assert result.exit_code == 2, result.output
     print(f"headroom 1.0 (exit {result.exit_code}):\n{result.output}")
+
+
+def test_the_guard_reads_vllms_own_ttft_and_prefill_histograms(vllm_peer: PeerServer) -> None:
+    """An interval's delta of vLLM's histograms is exactly the guard's timing round (no other
+    traffic), and vLLM's clock (no network) is never slower than the guard's."""
+    from kvfence.watch.guard import GuardConfig, Keys, TargetGuard
+    from kvfence.watch.metrics import WatchMetrics
+    from kvfence.watch.probes import ROUND
+
+    config = GuardConfig(interval_s=1.0, canary=False, max_target_share=1.0)
+    guard = TargetGuard(vllm_peer.url, "vllm", Keys(None, None, None), config, WatchMetrics())
+    try:
+        first = guard.cycle()
+        before = len(guard.timing.samples)
+        second = guard.cycle()
+    finally:
+        guard.close()
+    assert first.facts_known and second.facts_known, (first.error, second.error)
+    new = list(guard.timing.samples)[before:]
+    assert len(new) == ROUND
+    delta = guard.engine_latency.delta
+    for metric in ("vllm:time_to_first_token_seconds", "vllm:request_prefill_time_seconds"):
+        assert delta[(metric, "")].count == ROUND, {k: h.count for k, h in delta.items()}
+        exported = guard.metrics.registry.get_sample_value(
+            "kvfence_guard_engine_latency_observations",
+            {"target": guard.url, "metric": metric, "prompt_tokens_le": ""},
+        )
+        assert exported == ROUND
+    h = delta[("vllm:time_to_first_token_seconds", "")]
+    first_bucket = next(i for i, c in enumerate(h.cumulative) if c > 0)
+    lower = h.edges[first_bucket - 1] if first_bucket else 0.0
+    assert lower <= min(s.seconds for s in new)
+    # Not labelled by prompt length: exported only, no long-bucket evidence.
+    assert guard.engine_latency.long_bucket(max(s.prompt_tokens for s in new)) is None

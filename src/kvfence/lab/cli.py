@@ -9,10 +9,11 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from kvfence.faults import FAULT_INFO, Fault
-from kvfence.lab.matrix import MatrixRow, run_matrix
+from kvfence.faults import FAULT_INFO, Fault, FaultSet
+from kvfence.lab.matrix import ROWS, MatrixRow, combinations, run_matrix
 from kvfence.lab.profiles import PROFILES, get_profile
 from kvfence.lab.replay import ReplaySide, run_replay
+from kvfence.lab.routed import TOPOLOGIES, server_for
 from kvfence.lab.scenario import ScenarioResult
 from kvfence.model.tiny import default_checkpoint_dir
 
@@ -99,13 +100,55 @@ def replay(profile_name: str, model_kind: str | None, seed: int, checkpoint: Pat
 
 @lab.command()
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--topology",
+    type=click.Choice(TOPOLOGIES),
+    default="single",
+    show_default=True,
+    help="single: one kvfence process; sglang-router: the real sglang-router (PD mode) in front "
+    "of a kvfence prefill and decode worker, one stack per row",
+)
+@click.option(
+    "--transport",
+    type=click.Choice(["mooncake", "nixl", "tcp"]),
+    default="mooncake",
+    show_default=True,
+    help="with --topology sglang-router: what moves the KV between the workers",
+)
+@click.option(
+    "--rows",
+    type=click.Choice(ROWS),
+    default="all",
+    show_default=True,
+    help="all: every subset of the four defences; singles: the incident, then each defence alone",
+)
+@click.option(
+    "--also-fault",
+    "also_faults",
+    multiple=True,
+    help="a switch turned on in every row besides the incident's (one that breaks a defence "
+    "turns the matrix red: the proof it can fail); repeatable",
+)
 @_MODEL
-def matrix(seed: int, checkpoint: Path | None) -> None:
+def matrix(
+    seed: int,
+    topology: str,
+    transport: str,
+    rows: str,
+    also_faults: tuple[str, ...],
+    checkpoint: Path | None,
+) -> None:
     """The incident under every subset of its four defences; exit 0 iff it leaks only with all four off."""
     console = Console()
+    where = "" if topology == "single" else f", behind sglang-router with {transport} transfer"
     console.print(
-        "[bold]kvfence lab matrix[/] — the incident scenario under every subset of its defences"
+        f"[bold]kvfence lab matrix[/] — the incident scenario under {rows} subsets of its "
+        f"defences{where}"
     )
+    try:
+        also = FaultSet.parse(also_faults)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--also-fault") from None
 
     def progress(i: int, n: int, row: MatrixRow) -> None:
         console.print(
@@ -113,13 +156,32 @@ def matrix(seed: int, checkpoint: Path | None) -> None:
             highlight=False,
         )
 
-    rows = run_matrix(checkpoint or default_checkpoint_dir(), seed=seed, progress=progress)
+    server = server_for(topology, transport)
+    results = run_matrix(
+        checkpoint or default_checkpoint_dir(),
+        seed=seed,
+        progress=progress,
+        combos=combinations(rows),
+        also=also,
+        server=server,
+    )
+    console.print(_matrix_table(results))
+    bad = [r for r in results if not r.as_expected]
+    if bad:
+        console.print(f"[red]{len(bad)} combination(s) did not behave as expected[/]")
+        sys.exit(1)
+    console.print(
+        "[green]defence in depth holds[/]: the leak occurs only with every defence off; any one defence stops it"
+    )
+
+
+def _matrix_table(results: list[MatrixRow]) -> Table:
     table = Table(
         title="defence matrix (I4 capacity gate/edge, I2 terminal reject, I3 reconciliation, I1 ledger check)"
     )
     for col in ("defences on", "B status", "B received", "outcome", "expected"):
         table.add_column(col, overflow="fold")
-    for row in rows:
+    for row in results:
         style = None if row.as_expected else "red"
         table.add_row(
             _defences(row),
@@ -129,14 +191,7 @@ def matrix(seed: int, checkpoint: Path | None) -> None:
             row.expected.value + ("" if row.as_expected else "  <-- MISMATCH"),
             style=style,
         )
-    console.print(table)
-    bad = [r for r in rows if not r.as_expected]
-    if bad:
-        console.print(f"[red]{len(bad)} combination(s) did not behave as expected[/]")
-        sys.exit(1)
-    console.print(
-        "[green]defence in depth holds[/]: the leak occurs only with every defence off; any one defence stops it"
-    )
+    return table
 
 
 def ri_topic(i: int) -> str:

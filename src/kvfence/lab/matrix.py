@@ -15,7 +15,9 @@ from pathlib import Path
 
 from kvfence.faults import FAULT_INFO, Fault, FaultSet
 from kvfence.lab.profiles import INCIDENT_FAULTS
-from kvfence.lab.scenario import Outcome, ScenarioResult, run_incident
+from kvfence.lab.scenario import Outcome, ScenarioResult, ServerFactory, lab_server, run_incident
+
+ROWS = ("all", "singles")  # every subset, or the incident plus each defence alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,22 +34,34 @@ class MatrixRow:
         return self.result.outcome is self.expected
 
 
+def combinations(rows: str = "all") -> list[frozenset[Fault]]:
+    """The defence sets to run: all 2^4, or "singles" (none, then each one alone)."""
+    if rows not in ROWS:
+        raise ValueError(f"unknown matrix rows {rows!r}; known: {', '.join(ROWS)}")
+    sizes = range(len(INCIDENT_FAULTS) + 1) if rows == "all" else (0, 1)
+    return [frozenset(c) for r in sizes for c in itertools.combinations(INCIDENT_FAULTS, r)]
+
+
 def run_matrix(
     checkpoint: Path,
     *,
     seed: int = 0,
     progress: Callable[[int, int, MatrixRow], None] | None = None,
+    combos: list[frozenset[Fault]] | None = None,
+    server: ServerFactory = lab_server,
+    also: FaultSet | None = None,
 ) -> list[MatrixRow]:
-    """All 2^4 combinations, from every defence off (the incident) to every defence on."""
-    combos = [
-        frozenset(c)
-        for r in range(len(INCIDENT_FAULTS) + 1)
-        for c in itertools.combinations(INCIDENT_FAULTS, r)
-    ]
+    """Each combination, from every defence off (the incident) to every defence on (default: all 2^4).
+
+    `also`: switches outside the incident turned on in every row; one that breaks a defence
+    (e.g. `abort-as-success`) turns its rows red, which shows the matrix can fail.
+    """
+    combos = combinations() if combos is None else combos
     rows: list[MatrixRow] = []
     for i, defences in enumerate(combos):
-        faults = FaultSet(frozenset(INCIDENT_FAULTS) - defences)
-        row = MatrixRow(defences, run_incident(checkpoint, faults, seed=seed + i))
+        extra = also.active if also is not None else frozenset()
+        faults = FaultSet((frozenset(INCIDENT_FAULTS) - defences) | extra)
+        row = MatrixRow(defences, run_incident(checkpoint, faults, seed=seed + i, server=server))
         rows.append(row)
         if progress is not None:
             progress(i + 1, len(combos), row)

@@ -17,10 +17,10 @@ from __future__ import annotations
 import enum
 import secrets
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -86,6 +86,21 @@ class LabServer:
     keys: dict[str, str]
     tokenizer: Tokenizer
     info: Callable[[], dict[str, Any]]
+    text_prompts: bool = False  # send prompts as text (a router that refuses token ids)
+
+
+class ServerFactory(Protocol):
+    """Starts a lab server (one topology) with these switches; `lab_server` is the default."""
+
+    def __call__(
+        self,
+        checkpoint: Path,
+        faults: FaultSet,
+        *,
+        model_kind: str = ...,
+        scale: Scale = ...,
+        profile: str | None = ...,
+    ) -> AbstractContextManager[LabServer]: ...
 
 
 @contextmanager
@@ -140,11 +155,12 @@ def run_incident(
     seed: int | None = None,
     a_topic: str = "invoice",
     profile: str | None = None,
+    server: ServerFactory = lab_server,
 ) -> ScenarioResult:
     """A's sentinel-carrying traffic, then B's over-long prompt; B's answer read as a client would."""
     rng = secrets.SystemRandom() if seed is None else _Seeded(seed)
     sentinel = f"ZQX{rng.randrange(10**6, 10**7)}"
-    with lab_server(checkpoint, faults, model_kind=model_kind, scale=scale, profile=profile) as srv:
+    with server(checkpoint, faults, model_kind=model_kind, scale=scale, profile=profile) as srv:
         a_len = int(scale.prefill_pool_tokens * 0.8)  # fits the pool: A is served normally
         b_len = (scale.prefill_pool_tokens + scale.context_length) // 2  # > pool, < context
         a_prompt = _prompt_of(srv.tokenizer, f"{sentinel} {a_topic} ", a_len)
@@ -182,12 +198,17 @@ def _prompt_of(tokenizer: Tokenizer, unit: str, n_tokens: int) -> list[int]:
 def _complete(
     client: httpx.Client, srv: LabServer, tenant: str, prompt: list[int], *, max_tokens: int
 ) -> Exchange:
+    sent: list[int] | str = prompt
+    n_tokens = len(prompt)
+    if srv.text_prompts:  # the ids' text; its own token count is what the engine sees
+        sent = srv.tokenizer.decode(prompt)
+        n_tokens = len(srv.tokenizer.encode(sent))
     r = client.post(
         "/v1/completions",
         headers=_auth(srv.keys[tenant]),
         json={
             "model": srv.model,
-            "prompt": prompt,
+            "prompt": sent,
             "max_tokens": max_tokens,
             "temperature": 0,
             "ignore_eos": True,
@@ -198,7 +219,7 @@ def _complete(
         text = "".join(c.get("text", "") for c in body.get("choices", []))
     else:
         text = str(body.get("error", {}).get("message", ""))
-    return Exchange(tenant, len(prompt), r.status_code, body, text)
+    return Exchange(tenant, n_tokens, r.status_code, body, text)
 
 
 def _auth(key: str) -> dict[str, str]:

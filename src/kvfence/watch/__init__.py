@@ -7,6 +7,7 @@ fingerprint changes (INCIDENT.md checklist item 5: every capacity change is
 a security change). Within an operator-set request budget it also sends one
 canary pair across two tenants (signal 2) and a few fresh-prompt timing
 probes whose window is judged by the audit's prefill-latency analysis
-(signal 3). Everything is exported for Prometheus; facts that cannot be read
+(signal 3), beside the engine's own TTFT / prefill histograms read from its
+/metrics (exported; corroboration, never an alarm by themselves). Everything is exported for Prometheus; facts that cannot be read
 are exported as unknown, and unknown is never healthy.
 """

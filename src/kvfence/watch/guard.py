@@ -3,7 +3,9 @@
 A target's interval: read its live facts (fresh adapter, fresh reads) ->
 fingerprint -> on a change (or the first read) re-run the capacity gate and
 the boundary probe -> within the request budget, one canary pair and one
-timing round -> export. Anything that fails to read leaves the facts
+timing round -> the engine's own TTFT / prefill histograms over the interval
+(watch.engine_latency: exported, and corroboration beside a timing alarm, never
+an alarm by themselves) -> export. Anything that fails to read leaves the facts
 unknown for this interval, which is exported, never skipped (fail closed).
 """
 
@@ -17,9 +19,10 @@ from dataclasses import dataclass, field
 
 from kvfence.audit.base import AuditContext, Budget, CheckResult, Verdict, run_check
 from kvfence.audit.runbook import load_check
-from kvfence.audit.targets.base import Target, TargetFacts
+from kvfence.audit.targets.base import Target, TargetFacts, parse_prometheus
 from kvfence.audit.targets.registry import make_target
 from kvfence.watch.budget import AlarmBudget
+from kvfence.watch.engine_latency import EngineLatency
 from kvfence.watch.fingerprint import Fingerprint
 from kvfence.watch.metrics import WatchMetrics
 from kvfence.watch.probes import ROUND, Makers, TimingWindow, canary_pair
@@ -82,6 +85,8 @@ class TargetGuard:
         self.fingerprint: Fingerprint | None = None
         self.timing = TimingWindow(config.budget.alpha)
         self.makers: Makers | None = None
+        self.engine_latency = EngineLatency()
+        self.long_tokens: int | None = None  # the timing window's longest probe
         self.sent_at: deque[float] = deque()
         # Probe rounds are spaced so they take at most max_target_share of the time: a round
         # that took d seconds is followed by the next no sooner than d / share after it began.
@@ -131,6 +136,7 @@ class TargetGuard:
             self.makers = None  # and maybe the tokenizer
             out.gate, out.boundary = self._gate(target)
         self._probe(target, facts, out)
+        self._read_engine_latency(target, out)
         return out
 
     def _gate(self, target: Target) -> tuple[CheckResult, CheckResult]:
@@ -181,6 +187,7 @@ class TargetGuard:
                 out.crossed = True
                 self.metrics.crossings.labels(self.url).inc()
         if self.config.timing:
+            self.long_tokens = self.timing.config.sweep(limit)[-1]
             self.metrics.probes.labels(self.url, "timing").inc(
                 self.timing.probe(b, limit, self.rng)
             )
@@ -195,6 +202,24 @@ class TargetGuard:
                 out.too_fast = True
                 self.metrics.too_fast.labels(self.url).inc()
         self.turn += 1
+
+    def _read_engine_latency(self, target: Target, out: Interval) -> None:
+        """The engine's own TTFT / prefill histograms over this interval (watch.engine_latency:
+        exported and shown beside an alarm; they never raise or silence one)."""
+        r = self.ctx.client(target, "a").get("/metrics", timeout_s=30.0)
+        delta = self.engine_latency.update(parse_prometheus(r.body) if r.ok else None)
+        self.metrics.engine_histograms.labels(self.url).set(len(delta))
+        for (metric, bucket), h in delta.items():
+            self.metrics.engine_observations.labels(self.url, metric, bucket).set(h.count)
+            p5 = h.quantile_edge(0.05)
+            if p5 is not None and p5 != float("inf"):
+                self.metrics.engine_p5.labels(self.url, metric, bucket).set(p5)
+        if self.long_tokens is None:
+            return
+        evidence = self.engine_latency.long_bucket(self.long_tokens)
+        if evidence is not None:
+            self.metrics.engine_fast_long.labels(self.url).inc(evidence.as_fast_as_short)
+            out.notes.append(evidence.note())
 
     def _export_facts(self, facts: TargetFacts) -> None:
         pool, ctx = facts.pool_tokens.as_int(), facts.context_length.as_int()

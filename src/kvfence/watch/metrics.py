@@ -114,6 +114,35 @@ SERIES: tuple[tuple[str, type[Gauge] | type[Counter], str, str, tuple[str, ...]]
         TARGET,
     ),
     (
+        "engine_histograms",
+        Gauge,
+        "kvfence_guard_engine_histograms",
+        "TTFT / prefill histograms read from the target's /metrics this interval (0: none)",
+        TARGET,
+    ),
+    (
+        "engine_observations",
+        Gauge,
+        "kvfence_guard_engine_latency_observations",
+        "Observations in the engine's own TTFT / prefill histogram over the last interval",
+        ("target", "metric", "prompt_tokens_le"),
+    ),
+    (
+        "engine_p5",
+        Gauge,
+        "kvfence_guard_engine_latency_p5_seconds",
+        "Upper edge of the bucket holding the last interval's p5 of the engine's own histogram",
+        ("target", "metric", "prompt_tokens_le"),
+    ),
+    (
+        "engine_fast_long",
+        Counter,
+        "kvfence_guard_engine_fast_long_prefills",
+        "Engine-side prefills in the long probes' length bucket no slower than the p95 of the "
+        "shortest bucket (corroboration of signal 3; never an alarm by itself)",
+        TARGET,
+    ),
+    (
         "last_success",
         Gauge,
         "kvfence_guard_last_success_timestamp_seconds",
@@ -141,6 +170,10 @@ class WatchMetrics:
     requests: Counter
     skipped: Counter
     last_success: Gauge
+    engine_histograms: Gauge
+    engine_observations: Gauge
+    engine_p5: Gauge
+    engine_fast_long: Counter
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=False)
@@ -149,5 +182,12 @@ class WatchMetrics:
 
     def start(self, target: str) -> None:
         """Create every series at its resting value, so rate()/increase() see the first event."""
-        for c in (self.changes, self.crossings, self.too_fast, self.skipped, self.requests):
+        for c in (
+            self.changes,
+            self.crossings,
+            self.too_fast,
+            self.skipped,
+            self.requests,
+            self.engine_fast_long,
+        ):
             c.labels(target).inc(0)
