@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from kvfence.audit.base import DEFAULT_ALPHA, AuditContext, Budget, CheckResult
-from kvfence.audit.runbook import ALL_CHECKS, AuditRun, run_audit
+from kvfence.audit.runbook import ALL_CHECKS, AuditRun, preload_checks, run_audit
 
 KEY_A = "embedded-tenant-a-key-0001"
 KEY_B = "embedded-tenant-b-key-0002"
@@ -146,6 +146,7 @@ def audit_embedded(
         tempfile.TemporaryDirectory(prefix="kvfence-embedded-") as tmp,
         started_all(specs, Path(tmp)) as servers,
     ):
+        preload_checks(checks)  # while the servers import torch and load their models
         for s in servers:
             if progress is not None:
                 progress(f"starting {s.name} at {s.url}", None)
@@ -163,5 +164,10 @@ def audit_embedded(
             ctx.progress = progress
         with ctx.open():
             return run_audit(
-                [s.url for s in servers], ctx, engine="kvfence", checks=checks, on_result=on_result
+                [s.url for s in servers],
+                ctx,
+                engine="kvfence",
+                checks=checks,
+                on_result=on_result,
+                separate_targets=True,  # two process trees on loopback with nothing in common
             )

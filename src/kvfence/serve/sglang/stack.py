@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from kvfence.serve.sglang.gate import router_url
-from kvfence.serve.supervisor import Supervisor, free_port
+from kvfence.serve.supervisor import Supervisor, free_port, spawn
 
 ANNOUNCE = "KVFENCE_SGLANG_WORKER "  # worker.ANNOUNCE (kept torch-free here)
 
@@ -147,7 +147,7 @@ class Stack:
     def _spawn(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> None:
         full_env = {**os.environ, **env} if env else None
         with (self.workdir / f"{name}.log").open("wb") as out:
-            proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, env=full_env)
+            proc = spawn(argv, env=full_env, stdout=out, stderr=subprocess.STDOUT)  # ends with us
         self.supervisor.procs[name] = proc
 
     def _announced(self, name: str, role: str, deadline: float) -> Worker:
