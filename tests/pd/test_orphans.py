@@ -1,6 +1,7 @@
 """A supervisor that is SIGKILLed leaves no child behind: no worker, no router, no sglang-router.
 
-`kvfence serve --disaggregated` starts every role with `supervisor.spawn`, which arms a
+`kvfence serve --disaggregated` (sglang-router by default, kvfence's hub with `--router
+kvfence`) starts every role with `supervisor.spawn`, which arms a
 parent-death signal in each child. SIGKILL runs none of the supervisor's own clean-up, so
 only that signal can stop the children. The run with the hook disabled (the same command,
 with `parent_death_hook` replaced by one that arms nothing) shows the check can fail: there
@@ -25,7 +26,7 @@ _UNGUARDED = (
     "import sys, kvfence.serve.supervisor as s; s.parent_death_hook = lambda *a: None; "
     "from kvfence.cli import main; sys.exit(main())"
 )
-_READY = {"kvfence": "try: curl", "sglang": "logs: "}  # the last line each stack announces
+_READY = {"kvfence": "try: curl", None: "logs: "}  # the last line each stack announces
 
 
 def _children(pid: int) -> set[int]:
@@ -45,9 +46,16 @@ def _alive(pid: int) -> bool:
     return "\nState:\tZ" not in status
 
 
-def _start(router: str, guarded: bool, checkpoint: Path, log: Path) -> subprocess.Popen[bytes]:
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def _start(
+    router: str | None, guarded: bool, checkpoint: Path, log: Path
+) -> subprocess.Popen[bytes]:
     entry = ["-m", "kvfence"] if guarded else ["-c", _UNGUARDED]
-    args = ["serve", "--disaggregated", "--router", router, "--model", str(checkpoint)]
+    args = ["serve", "--disaggregated", "--model", str(checkpoint)]
+    args += [] if router is None else ["--router", router]
     args += ["--model-kind", "mirror", "--kv-pages", "64", "--context-length", "512"]
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, *entry, *args], stdout=out, stderr=out)
@@ -60,16 +68,23 @@ def _start(router: str, guarded: bool, checkpoint: Path, log: Path) -> subproces
 
 @pytest.mark.parametrize(
     ("router", "guarded"),
-    [("kvfence", True), ("kvfence", False), ("sglang", True)],
-    ids=["hub", "hub-unguarded-must-orphan", "sglang-router"],
+    [("kvfence", True), ("kvfence", False), (None, True)],
+    ids=["hub", "hub-unguarded-must-orphan", "default-sglang-router"],
 )
 def test_sigkilled_supervisor_leaves_no_child(
-    pd_checkpoint: Path, tmp_path: Path, router: str, guarded: bool
+    pd_checkpoint: Path, tmp_path: Path, router: str | None, guarded: bool
 ) -> None:
     proc = _start(router, guarded, pd_checkpoint, tmp_path / "serve.log")
     kids = _children(proc.pid)
     try:
         assert len(kids) == 3, kids  # a router (hub or sglang-router) and two workers
+        # sglang-router renames its process `sglang::router` once it runs
+        routers = [
+            p
+            for p in kids
+            if _cmdline(p).startswith(("sglang::router", sys.executable + " -m sglang_router"))
+        ]
+        assert len(routers) == (1 if router is None else 0)  # the default is the real router
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         deadline = time.monotonic() + 10

@@ -33,6 +33,8 @@ KEY_OPERATOR = "embedded-operator-key-0003"
 # (0.66 x context, like 681,280 / 1,048,576); the fix holds 64 pages = 2 x context.
 COMMON = (
     "--disaggregated",
+    "--router",
+    "kvfence",  # its own hub: the demo's budget and its checks at kvfence's edge (README)
     # The mirror head (leaks read as text) over a small real Llama body (prefill costs what
     # a transformer's does, so signal 3 is measurable): see kvfence.model.mirror.
     "--model-kind",
