@@ -109,7 +109,7 @@ class Supervisor:
 
     def run_until_done(self) -> int:
         """Start, wait for the first exit or a signal, stop the rest. Returns the exit code to use."""
-        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        previous = signal.signal(signal.SIGTERM, raise_interrupt)
         try:
             self.start()
             name, rc = self.first_exit()
@@ -125,5 +125,6 @@ class Supervisor:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _raise_interrupt(signum: int, frame: object) -> None:
+def raise_interrupt(signum: int, frame: object) -> None:
+    """SIGTERM handler: unwind like Ctrl-C, so every `finally` stops its children."""
     raise KeyboardInterrupt

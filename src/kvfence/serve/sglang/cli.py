@@ -14,6 +14,7 @@ import click
 from kvfence.faults import FaultSet
 from kvfence.serve.pd.cli import worker_spec
 from kvfence.serve.pd.worker_entry import set_torch_threads
+from kvfence.serve.supervisor import raise_interrupt
 from kvfence.serve.tenants import TenantRegistry
 
 
@@ -85,7 +86,7 @@ def run_stack(
             port=params["port"],
         )
         stack = Stack(spec)
-        previous = signal.signal(signal.SIGTERM, _interrupt)
+        previous = signal.signal(signal.SIGTERM, raise_interrupt)
         try:
             stack.start()
             _announce(stack, tenants)
@@ -101,10 +102,6 @@ def run_stack(
         finally:
             stack.stop()
             signal.signal(signal.SIGTERM, previous)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 def _announce(stack: Any, tenants: TenantRegistry) -> None:
