@@ -27,6 +27,7 @@ from kvfence.serve.pd.spec import WorkerSpec
 from kvfence.serve.pd.workers import engine_config
 from kvfence.serve.sglang.decode import DecodeSide
 from kvfence.serve.sglang.gate import RouterGate
+from kvfence.serve.sglang.generate import add_generate_route
 from kvfence.serve.sglang.prefill import PrefillSide
 from kvfence.serve.sglang.routing import WorkerRouter
 from kvfence.serve.sglang.side import PairSide
@@ -127,6 +128,7 @@ def run_sglang_worker(spec: SglangWorkerSpec, tenants: TenantRegistry) -> int:
     app = create_app(
         side, loaded.tokenizer, config, tenants, capacity=capacity, router_type=WorkerRouter
     )
+    add_generate_route(app)  # SGLang's native route, on the same admission path
 
     def facts() -> dict[str, Any]:
         return router_facts(spec, side, config)
