@@ -309,6 +309,8 @@ def load_step(
     tokens, n, errors, ttfts, wall = asyncio.run(
         load_phase(target.url, model, args.phase_s, args.concurrency, rng, args)
     )
+    if not target.alive():
+        raise RuntimeError(f"the target exited during phase {i}:\n{target.log_tail(60)}")
     cpu = cpu_seconds(target.pid) - cpu0
     first_error = errors[0][:160] if errors else None
     phase = Phase(
