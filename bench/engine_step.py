@@ -9,12 +9,27 @@ those steps (batch already built). Prints one line:
   engine_step rows=16 step_ms=... forward_ms=... overhead_ms=... (batch_build_ms=...
   scheduler+sampler_ms=...) overhead_pct=...
 
+With `--mixed`, instead: mixed batches vs separate prefill/decode forwards
+(`EngineConfig.mixed_batches`), measured in the same run. A closed loop keeps
+`--concurrency` requests in the pipeline (seeded prompts of 64-512 tokens and
+32-96 greedy output tokens, so requests end at different steps and new
+prompts arrive while others decode; `--requests` in all); the two modes alternate,
+`--repeats` times each, and the medians are compared. Prints one line per run
+and one result line:
+
+  engine_mixed preset=... mixed_tok_s=... separate_tok_s=... ratio=... forwards ...
+  ttft_p50_ms ... load1=...
+
 Usage: python bench/engine_step.py [--preset tiny|smollm] [--threads N]
+       python bench/engine_step.py --mixed [--preset smollm] [--requests 24] [--concurrency 16]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
+import random
 import statistics
 import tempfile
 import time
@@ -25,7 +40,7 @@ import torch
 import kvfence.engine.runner as runner_module
 from kvfence.engine.backend import GenerateWork
 from kvfence.engine.config import EngineConfig
-from kvfence.engine.messages import SamplingParams
+from kvfence.engine.messages import Failure, SamplingParams
 from kvfence.engine.pipeline import CollectingSink, LocalPipeline
 from kvfence.model.loader import load_model
 from kvfence.model.tiny import make_tiny_checkpoint
@@ -45,20 +60,142 @@ class TimedModel(torch.nn.Module):
         return out
 
 
+def _ended(sink: CollectingSink) -> bool:
+    last = sink.events[-1] if sink.events else None
+    return isinstance(last, Failure) or (last is not None and last.finish_reason is not None)
+
+
+@dataclasses.dataclass(slots=True)
+class _Run:
+    wall_s: float
+    tokens: int
+    forwards: int
+    ttft_ms: list[float]
+
+
+@dataclasses.dataclass(slots=True)
+class _Live:
+    sink: CollectingSink
+    start: float
+    first: bool = False
+
+
+def _closed_loop(
+    pipe: LocalPipeline,
+    prompts: list[tuple[tuple[int, ...], int]],
+    concurrency: int,
+    count: list[int],
+) -> _Run:
+    """Keep `concurrency` requests in the pipeline until every prompt has been served."""
+    pending = list(enumerate(prompts))
+    live: list[_Live] = []
+    ttft: list[float] = []
+    sinks: list[CollectingSink] = []
+    count[0] = 0
+    t0 = time.perf_counter()
+    while pending or live:
+        while pending and len(live) < concurrency:
+            i, (prompt, out_len) = pending.pop(0)
+            sampling = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+            sinks.append(CollectingSink())
+            pipe.submit(
+                GenerateWork(f"r{i}", f"t{i % 4}", prompt, sampling, f"t{i % 4}"), sinks[-1]
+            )
+            live.append(_Live(sinks[-1], time.perf_counter()))
+        pipe.pump()
+        now = time.perf_counter()
+        for entry in live:
+            if entry.sink.events and not entry.first:
+                entry.first = True
+                ttft.append((now - entry.start) * 1e3)
+        live = [e for e in live if not _ended(e.sink)]
+    wall = time.perf_counter() - t0
+    tokens = sum(len(s.wait(0).token_ids) for s in sinks)
+    return _Run(wall, tokens, count[0], ttft)
+
+
+def mixed_vs_separate(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        make_tiny_checkpoint(d, preset=args.preset)
+        loaded = load_model(d, kind="llama")
+    count = [0]
+    inner = loaded.model.forward_many
+
+    def counted(parts: Any) -> Any:
+        count[0] += 1
+        return inner(parts)
+
+    loaded.model.forward_many = counted  # type: ignore[method-assign]
+    rng = random.Random(args.seed)
+    vocab = loaded.config.vocab_size
+    prompts = [
+        (
+            tuple(rng.randrange(16, vocab) for _ in range(rng.randrange(64, 513))),
+            rng.randrange(32, 97),
+        )
+        for _ in range(args.requests)
+    ]
+    pages = args.concurrency * (512 + 96) // 16 + 64
+    geometry = loaded.config.kv_geometry(page_size=16)
+    runs: dict[bool, list[_Run]] = {True: [], False: []}
+    load0 = os.getloadavg()[0]
+    for rep in range(args.repeats):
+        for mixed in (True, False) if rep % 2 == 0 else (False, True):
+            config = EngineConfig(
+                prefill_pages=pages, decode_pages=pages, page_size=16,
+                max_running=args.concurrency, mixed_batches=mixed, prefix_cache=False,
+            )  # fmt: skip
+            pipe = LocalPipeline(loaded.model, geometry, config, kv_link=inprocess_link)
+            r = _closed_loop(pipe, prompts, args.concurrency, count)
+            pipe.check_integrity()
+            runs[mixed].append(r)
+            print(
+                f"  run mixed={mixed} wall_s={r.wall_s:.2f} tok_s={r.tokens / r.wall_s:.2f} "
+                f"forwards={r.forwards} ttft_p50_ms={statistics.median(r.ttft_ms):.0f} "
+                f"load1={os.getloadavg()[0]:.2f}",
+                flush=True,
+            )
+    tok = {m: statistics.median(r.tokens / r.wall_s for r in runs[m]) for m in runs}
+    ttft = {m: statistics.median(statistics.median(r.ttft_ms) for r in runs[m]) for m in runs}
+    fwd = {m: statistics.median(r.forwards for r in runs[m]) for m in runs}
+    print(
+        f"engine_mixed preset={args.preset} requests={args.requests} "
+        f"concurrency={args.concurrency} threads={args.threads} repeats={args.repeats} "
+        f"mixed_tok_s={tok[True]:.2f} separate_tok_s={tok[False]:.2f} "
+        f"ratio={tok[True] / tok[False]:.3f} forwards_mixed={fwd[True]:.0f} "
+        f"forwards_separate={fwd[False]:.0f} ttft_p50_ms_mixed={ttft[True]:.0f} "
+        f"ttft_p50_ms_separate={ttft[False]:.0f} load1_start={load0:.2f} "
+        f"load1_end={os.getloadavg()[0]:.2f}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--mixed", action="store_true", help="mixed batches vs separate forwards")
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.mixed:
+        mixed_vs_separate(args)
+        return
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as d:
         make_tiny_checkpoint(d, preset=args.preset)
         loaded = load_model(d, kind="llama")
     pages = 13 * args.rows  # 128 prompt + 64 output tokens = 12 pages per request, plus slack
+    # Decode steps alone (all 16 rows run once prefill is done): the two-forward path.
     config = EngineConfig(
-        prefill_pages=pages, decode_pages=pages, page_size=16, max_running=args.rows
+        prefill_pages=pages,
+        decode_pages=pages,
+        page_size=16,
+        max_running=args.rows,
+        mixed_batches=False,
     )
     timed = TimedModel(loaded.model)
     geometry = loaded.config.kv_geometry(page_size=16)

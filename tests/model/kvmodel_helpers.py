@@ -51,6 +51,24 @@ def step(
     return out
 
 
+def step_many(
+    model: CausalLM, parts: Sequence[tuple[KVPool, Sequence[tuple[Seq, int]], bool]]
+) -> list[torch.Tensor]:
+    """One `forward_many` over (pool, work, all_logits) parts; `step`'s bookkeeping per part."""
+    batches = []
+    for pool, work, all_logits in parts:
+        rows = [
+            RowSpec(s.pages, s.owner, s.tokens[s.cached : s.cached + n], s.cached, s.generated)
+            for s, n in work
+        ]
+        batches.append((build_forward_batch(pool.page_size, rows, all_logits=all_logits), pool))
+    out = model.forward_many(batches)
+    for _, work, _ in parts:
+        for s, n in work:
+            s.cached += n
+    return out
+
+
 def hf_logits(hf: torch.nn.Module, tokens: Sequence[int]) -> torch.Tensor:
     """Reference: HF transformers over the whole sequence, no cache. [len, vocab]."""
     with torch.no_grad():

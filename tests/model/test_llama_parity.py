@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from kvmodel_helpers import hf_logits, make_pool, new_seq, step
+from kvmodel_helpers import hf_logits, make_pool, new_seq, step, step_many
 
 from kvfence.model.llama import LlamaModel
 from kvfence.model.loader import load_model
@@ -78,6 +78,36 @@ def test_chunked_prefill_mixed_with_decode_matches_transformers(tiny_checkpoint:
         chunk_logits.append(out[1:])
     ref_long = hf_logits(hf, long_seq.tokens)
     assert float((torch.cat(chunk_logits) - ref_long).abs().max()) <= TOL
+
+
+def test_one_forward_over_two_pools_matches_transformers(tiny_checkpoint: Path) -> None:
+    """Prefill's chunks (one pool) and decode's rows (another) in one forward: HF parity per row."""
+    loaded = load_model(tiny_checkpoint)
+    model, hf = loaded.model, _hf(tiny_checkpoint)
+    prefill_pool, decode_pool = make_pool(loaded.config, 32), make_pool(loaded.config, 32)
+    long_seq, other = (new_seq(prefill_pool, p, 80) for p in _prompts([50, 21], 512, seed=4))
+    decoding = [new_seq(decode_pool, p, 40) for p in _prompts([9, 17, 3], 512, seed=5)]
+    for s in decoding:
+        out = step(model, decode_pool, [(s, len(s.tokens))])
+        s.tokens.append(int(out[0].argmax()))
+    chunk_logits: list[torch.Tensor] = []
+    while long_seq.cached < len(long_seq.tokens):
+        n = min(13, len(long_seq.tokens) - long_seq.cached)
+        prefill_rows = [(long_seq, n)] + ([(other, 21)] if other.cached == 0 else [])
+        p_out, d_out = step_many(
+            model,
+            [(prefill_pool, prefill_rows, True), (decode_pool, [(s, 1) for s in decoding], False)],
+        )
+        chunk_logits.append(p_out[:n])
+        for i, s in enumerate(decoding):
+            s.generated += 1
+            assert float((d_out[i] - hf_logits(hf, s.tokens)[-1]).abs().max()) <= TOL
+            s.tokens.append(int(d_out[i].argmax()))
+        if p_out.shape[0] > n:
+            assert float((p_out[n:] - hf_logits(hf, other.tokens)).abs().max()) <= TOL
+    assert float((torch.cat(chunk_logits) - hf_logits(hf, long_seq.tokens)).abs().max()) <= TOL
+    prefill_pool.check_integrity([h for s in (long_seq, other) for h in s.pages])
+    decode_pool.check_integrity([h for s in decoding for h in s.pages])
 
 
 def test_parity_check_can_fail(tiny_checkpoint: Path) -> None:

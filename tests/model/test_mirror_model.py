@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -128,13 +129,13 @@ def test_mirror_body_runs_the_real_body_and_still_echoes(tiny_checkpoint: Path) 
     model = loaded.model
     assert isinstance(model, MirrorModel) and isinstance(model.body, LlamaModel)
     calls: list[int] = []
-    body_forward = model.body.forward
+    body_forward = model.body.forward_many
 
-    def counting(batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        calls.append(int(batch.input_ids.numel()))
-        return body_forward(batch, pool)
+    def counting(parts: Sequence[tuple[ForwardBatch, KVPool]]) -> list[torch.Tensor]:
+        calls.append(sum(int(batch.input_ids.numel()) for batch, _ in parts))
+        return body_forward(parts)
 
-    model.body.forward = counting  # type: ignore[method-assign]
+    model.body.forward_many = counting  # type: ignore[method-assign]
     pool = make_pool(loaded.config, 32)
     rng = random.Random(3)
     prompts = [[rng.randrange(loaded.config.vocab_size) for _ in range(n)] for n in (7, 40)]

@@ -12,8 +12,10 @@ from kvmodel_helpers import make_pool, new_seq, step
 from kvfence.faults import Fault, FaultSet
 from kvfence.kv.pool import IsolationViolation, KVPool
 from kvfence.model.attention import available_backends, gather, get_backend
+from kvfence.model.base import CausalLM, ForwardBatch
 from kvfence.model.batching import RowSpec, build_forward_batch, rows_of_tokens
 from kvfence.model.config import ModelConfig
+from kvfence.model.llama import LlamaModel
 from kvfence.model.loader import load_model
 from kvfence.model.mirror import MirrorModel
 
@@ -68,6 +70,39 @@ def test_a_write_outside_the_rows_page_table_is_refused() -> None:
 def test_the_write_check_is_what_stops_it() -> None:
     pool, victim = _forged_write(make_pool(CONFIG, 4, faults=FaultSet.of(Fault.NO_LEDGER_CHECK)))
     assert float(pool.k[0, victim].abs().sum()) > 0  # B's token landed in A's page
+
+
+def _two_pools_second_stale(
+    tiny_checkpoint: Path,
+) -> tuple[LlamaModel, list[tuple[ForwardBatch, KVPool]], KVPool]:
+    """Two pools' batches for one forward; the second row's page was reused under it."""
+    loaded = load_model(tiny_checkpoint)
+    assert isinstance(loaded.model, LlamaModel)
+    first, second = make_pool(loaded.config, 8), make_pool(loaded.config, 8)
+    a, b = new_seq(first, [5, 6, 7], 16), new_seq(second, [8, 9], 16)
+    second.generation[b.pages[0].index] += 1  # b's handle is stale: the ledger must refuse it
+    parts = [
+        (build_forward_batch(16, [RowSpec(a.pages, a.owner, a.tokens, 0)]), first),
+        (build_forward_batch(16, [RowSpec(b.pages, b.owner, b.tokens, 0)]), second),
+    ]
+    return loaded.model, parts, first
+
+
+def test_one_forward_over_two_pools_verifies_both_before_writing_either(
+    tiny_checkpoint: Path,
+) -> None:
+    model, parts, first = _two_pools_second_stale(tiny_checkpoint)
+    with pytest.raises(IsolationViolation):
+        model.forward_many(parts)
+    assert float(first.k.abs().sum()) == 0.0  # the first pool was not written either (I1)
+
+
+def test_the_part_by_part_default_would_have_written_the_first_pool(tiny_checkpoint: Path) -> None:
+    """Negative control for the test above: the base class's one-by-one loop writes part 1 first."""
+    model, parts, first = _two_pools_second_stale(tiny_checkpoint)
+    with pytest.raises(IsolationViolation):
+        CausalLM.forward_many(model, parts)
+    assert float(first.k.abs().sum()) > 0.0
 
 
 def test_decode_rows_batched_equal_each_row_alone(tiny_checkpoint: Path) -> None:

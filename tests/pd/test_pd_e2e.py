@@ -213,7 +213,8 @@ def test_serve_disaggregated_command(pd_checkpoint: Path, tmp_path: Path) -> Non
 
     The supervisor hands each role its spec as a file in its temporary folder (under
     TMPDIR, here tmp_path), so every child's command line names tmp_path."""
-    args = ["--disaggregated", "--model", str(pd_checkpoint), "--model-kind", "mirror"]
+    args = ["--disaggregated", "--router", "kvfence", "--model", str(pd_checkpoint)]
+    args += ["--model-kind", "mirror"]
     args += ["--kv-pages", "512", "--transport", "shm"]
     proc, text = _serve_announced(args, env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
@@ -250,7 +251,8 @@ def test_serve_disaggregated_no_auth(pd_checkpoint: Path) -> None:
     """`--disaggregated --no-auth` starts (the keyless dev tenant reaches the router as
     `no_auth` in its spec, not as a tenants file it would refuse) and serves a request with
     no key."""
-    args = ["--disaggregated", "--no-auth", "--port", "0", "--model", str(pd_checkpoint)]
+    args = ["--disaggregated", "--router", "kvfence", "--no-auth", "--port", "0"]
+    args += ["--model", str(pd_checkpoint)]
     args += ["--model-kind", "mirror", "--kv-pages", "512"]
     proc, text = _serve_announced(args)
     try:
@@ -272,6 +274,6 @@ def test_no_auth_stays_loopback_only_when_disaggregated() -> None:
 
     from kvfence.cli import main
 
-    args = ["serve", "--disaggregated", "--no-auth", "--host", "0.0.0.0"]
+    args = ["serve", "--disaggregated", "--router", "kvfence", "--no-auth", "--host", "0.0.0.0"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and "only allowed on a loopback host" in result.output

@@ -113,7 +113,7 @@ def test_the_router_entry_exits_2_on_an_unreadable_tenants_file(tmp_path: Path) 
     assert "RouterSpec.tenants_file: cannot read tenants file" in out.stderr
 
 
-@pytest.mark.parametrize("mode", [["--role", "router"], ["--disaggregated"]])
+@pytest.mark.parametrize("mode", [["--role", "router"], ["--disaggregated", "--router", "kvfence"]])
 def test_both_router_entries_check_the_options_by_the_same_spec(mode: list[str]) -> None:
     """The operator's `--role router` and the supervisor build the spec with one function: a
     bad option is the same usage error (exit 2) in both, before any process starts."""

@@ -31,6 +31,10 @@ class EngineConfig:
     shared_prefix_namespace: the operator's explicit opt-in to cross-tenant
     prefix sharing (I8); None (the default) keeps each tenant's cache apart.
     eos_token_ids: tokens that end generation unless a request sets ignore_eos.
+    mixed_batches: the in-process pipeline runs prefill's chunks and decode's
+    tokens as one forward per step (decode's tokens count against
+    max_batch_tokens first), so the weights are read once for both; False runs
+    them as two forwards (the reference the mixed path is tested against).
     """
 
     prefill_pages: int
@@ -45,6 +49,7 @@ class EngineConfig:
     shared_prefix_namespace: str | None = None
     eos_token_ids: tuple[int, ...] = ()
     sampler_seed: int | None = None
+    mixed_batches: bool = True
 
     def __post_init__(self) -> None:
         for name in ("prefill_pages", "decode_pages", "page_size", "max_batch_tokens"):

@@ -77,6 +77,14 @@ class _Seq:
     prefill_s: float = 0.0  # reported once, on the first chunk
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeStep:
+    """One planned decode step: the rows' sequences and the `RowSpec`s they run as."""
+
+    seqs: list[_Seq]
+    rows: list[RowSpec]
+
+
 class DecodeEngine:
     """Usage: `bootstrap(b)`, transport writes, `inbound_closed(room)`, `on_transfer(m, checksum)`,
     then `step()` while `has_work`; `drain()` for what to send on."""
@@ -242,12 +250,19 @@ class DecodeEngine:
 
     def step(self) -> None:
         """admit -> schedule -> forward (I1: verified before any read) -> sample -> emit."""
+        planned = self.plan_step()
+        if planned is not None:
+            self.finish_step(planned, self.runner.forward_checked(planned.rows))
+
+    def plan_step(self) -> DecodeStep | None:
+        """Admit queued reservations, then this step's rows (one token each); None when none."""
         self._admit_queued()
         seqs = self._schedule()
-        if not seqs:
-            return
-        out = self.runner.forward_checked([self._row(s) for s in seqs])
-        seqs = self._drop_refused(seqs, out)
+        return DecodeStep(seqs, [self._row(s) for s in seqs]) if seqs else None
+
+    def finish_step(self, planned: DecodeStep, out: Forwarded) -> None:
+        """Take the step's forward: fail refused rows (I1), sample and emit the rest."""
+        seqs = self._drop_refused(planned.seqs, out)
         if out.logits is None:
             return
         result = self.sampler.sample(

@@ -9,8 +9,11 @@ release until the transport confirms (I7). The disaggregated backend runs
 the very same engines in separate processes.
 
 One engine thread loops: take new submits and aborts (the router role:
-bootstrap at decode, then prefill work), one prefill step, the KV copies it
-produced, one decode step, then deliver events. It sleeps on a condition when
+bootstrap at decode, then prefill work), one step of both engines, the KV
+copies prefill produced, then deliver events. The step is one forward
+(`EngineConfig.mixed_batches`): decode's rows first, prefill's chunks in the
+rest of the token budget, each engine's rows attending only in its own pool,
+both pools' page tables verified before any read (I1). It sleeps on a condition when
 there is nothing to do. Every request ends exactly once at its sink: its last
 `TokenChunk` (with `finish_reason`) or one `Failure` (I6).
 """
@@ -37,6 +40,7 @@ from kvfence.engine.messages import (
     TokenChunk,
     TransferDone,
 )
+from kvfence.engine.mixed import mixed_step
 from kvfence.engine.prefill import PrefillEngine, PrefillOutput
 from kvfence.engine.routing import Room, Rooms, is_final
 from kvfence.faults import FaultSet
@@ -236,11 +240,15 @@ class LocalPipeline:
             else:
                 self._route_abort(cmd.room, cmd.reason)
         before = self.prefill.counters.computed_tokens + self.decode.counters.generation_tokens
-        if self.prefill.has_work:
-            self.prefill.step()
-        progressed |= self._route_prefill(self.prefill.drain())
-        if self.decode.has_work:
-            self.decode.step()
+        if self.config.mixed_batches:
+            mixed_step(self.prefill, self.decode)
+            progressed |= self._route_prefill(self.prefill.drain())
+        else:
+            if self.prefill.has_work:
+                self.prefill.step()
+            progressed |= self._route_prefill(self.prefill.drain())
+            if self.decode.has_work:
+                self.decode.step()
         progressed |= self._route_decode()
         after = self.prefill.counters.computed_tokens + self.decode.counters.generation_tokens
         return progressed or after != before

@@ -25,7 +25,7 @@ from kvfence.engine.counters import Counters
 from kvfence.engine.messages import Abort, Failure, PrefillWork, TransferDone
 from kvfence.engine.outbound import OutboundTransfer
 from kvfence.engine.prefill_pages import allocate, cache_full_pages
-from kvfence.engine.prefill_seq import PrefillOutput, PrefillSeq
+from kvfence.engine.prefill_seq import PrefillOutput, PrefillSeq, PrefillStep
 from kvfence.engine.prefix_cache import PrefixCache
 from kvfence.engine.request import Request, RequestError, RequestState
 from kvfence.engine.runner import Forwarded, ModelRunner, release_current
@@ -140,16 +140,27 @@ class PrefillEngine:
         return out
 
     def step(self) -> None:
-        """schedule running chunks, admit new prompts (one token budget) -> forward -> sample -> send."""
-        plan = self._schedule_running()
-        plan += self._admit(self.config.max_batch_tokens - sum(n for _, n in plan))
+        """schedule chunks -> forward (I1: verified before any read) -> sample -> send."""
+        planned = self.plan_step()
+        if planned is not None:
+            self.finish_step(planned, self.runner.forward_checked(planned.rows))
+
+    def plan_step(self, budget: int | None = None) -> PrefillStep | None:
+        """Running prompts' next chunks, then new prompts, within `budget` new tokens
+        (default `max_batch_tokens`); None when nothing can run."""
+        budget = self.config.max_batch_tokens if budget is None else budget
+        plan = self._schedule_running(budget)
+        plan += self._admit(budget - sum(n for _, n in plan))
         if not plan:
-            return
+            return None
         now = time.perf_counter()  # a prompt's prefill time runs from its first step (signal 3)
         for seq, _ in plan:
             seq.started_s = now if seq.started_s is None else seq.started_s
-        out = self.runner.forward_checked(self._rows(plan))  # I1: verified before any read
-        plan = self._drop_refused(plan, out)
+        return PrefillStep(plan, self._rows(plan))
+
+    def finish_step(self, planned: PrefillStep, out: Forwarded) -> None:
+        """Take the step's forward: fail refused rows (I1), record chunks, send finished prompts."""
+        plan = self._drop_refused(planned.plan, out)
         done = self._advance(plan)
         if done and out.logits is not None:
             rows = [SampleRow(plan[i][0].work.sampling, 0) for i in done]
@@ -157,9 +168,8 @@ class PrefillEngine:
             for i, token, lps in zip(done, result.tokens, result.logprobs, strict=True):
                 self._send(plan[i][0], token, lps or ())
 
-    def _schedule_running(self) -> list[tuple[PrefillSeq, int]]:
+    def _schedule_running(self, budget: int) -> list[tuple[PrefillSeq, int]]:
         """The next chunk of every running prompt, oldest first, while the budget lasts."""
-        budget = self.config.max_batch_tokens
         plan: list[tuple[PrefillSeq, int]] = []
         # Fairness: a prompt from a tenant with nothing in prefill goes first, alone, for one
         # step, so a short prompt never waits behind another tenant's long chunks; each such

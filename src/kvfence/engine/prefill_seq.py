@@ -8,6 +8,7 @@ from kvfence.engine.messages import Abort, Failure, PrefillWork, TransferDone
 from kvfence.engine.outbound import OutboundTransfer
 from kvfence.engine.request import Request
 from kvfence.kv.pool import PageHandle
+from kvfence.model.batching import RowSpec
 
 
 @dataclass(slots=True)
@@ -41,3 +42,11 @@ class PrefillSeq:
     @property
     def remaining(self) -> int:
         return len(self.input_ids) - self.computed
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillStep:
+    """One planned prefill step: (prompt, tokens this step) pairs and the rows they run as."""
+
+    plan: list[tuple[PrefillSeq, int]]
+    rows: list[RowSpec]

@@ -5,6 +5,10 @@ the slots it writes and verifies every page table against the ledger before
 any gather (I1); when that check fails, `forward_checked` finds the rows whose
 own tables the ledger refuses and re-runs the step once for the rest, so an
 engine fails just those rows (the one place that retry lives).
+
+`forward_together` runs several runners' rows (the in-process prefill's and
+decode's, each on its own pool) as one model step, so the weights are read
+once for both; every pool's tables are verified before any of them is read.
 """
 
 from __future__ import annotations
@@ -65,6 +69,28 @@ class ModelRunner:
             except IsolationViolation:
                 bad.append(i)
         return bad
+
+
+def forward_together(steps: Sequence[tuple[ModelRunner, Sequence[RowSpec]]]) -> list[Forwarded]:
+    """One model step for several runners' rows, each runner's rows on its own pool.
+
+    When the ledger refuses anything (I1) the model has written and read
+    nothing yet; each runner then runs alone through `forward_checked`, which
+    fails exactly the refused rows.
+    """
+    model = steps[0][0].model
+    if any(runner.model is not model for runner, _ in steps):
+        raise ValueError("forward_together needs runners of one model")
+    parts = [(build_forward_batch(r.page_size, rows), r.pool) for r, rows in steps]
+    try:
+        with torch.inference_mode():
+            logits = model.forward_many(parts)
+    except IsolationViolation:
+        return [runner.forward_checked(rows) for runner, rows in steps]
+    return [
+        Forwarded(out, list(range(len(rows))), [])
+        for out, (_, rows) in zip(logits, steps, strict=True)
+    ]
 
 
 def release_current(pool: KVPool, handles: Sequence[PageHandle]) -> list[PageHandle]:

@@ -12,6 +12,7 @@ every slot lies in its own row's table and records the slots it fills with
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,3 +54,12 @@ class CausalLM(ABC, torch.nn.Module):
         Returns float32 logits: [B, vocab] (each row's last new token) or
         [T, vocab] when `batch.all_logits`.
         """
+
+    def forward_many(self, parts: Sequence[tuple[ForwardBatch, KVPool]]) -> list[torch.Tensor]:
+        """One step over several pools' batches (prefill's and decode's): logits per part, in order.
+
+        A model that can reads its weights once for all parts and verifies every
+        part's page tables (I1) before it writes or reads any of them; this
+        default runs the parts one after the other, each verified before its own reads.
+        """
+        return [self.forward(batch, pool) for batch, pool in parts]

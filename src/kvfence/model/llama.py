@@ -10,7 +10,8 @@ verifies them once per step, I1).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -85,12 +86,11 @@ class DecoderLayer(torch.nn.Module):
         self,
         x: torch.Tensor,
         model: LlamaModel,
-        pool: KVPool,
-        batch: ForwardBatch,
+        parts: Sequence[_Part],
         cos: torch.Tensor,
         sin: torch.Tensor,
-        plan: AttentionPlan,
     ) -> torch.Tensor:
+        """x [T, hidden] for every part's tokens: one matmul per weight, attention per pool."""
         c = model.config
         t = x.shape[0]
         h = rms_norm(x, self.input_norm, c.rms_norm_eps)
@@ -103,12 +103,45 @@ class DecoderLayer(torch.nn.Module):
         )
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_kv_heads, c.head_dim)
-        model.backend.write(pool, self.index, batch.slot_mapping, k, v)
-        o = model.backend.attend(pool, self.index, q, plan, scale=model.scale, window=self.window)
+        if len(parts) == 1:
+            o = self._attend(model, parts[0], q, k, v)
+        else:
+            o = torch.cat(
+                [
+                    self._attend(model, p, q[p.lo : p.hi], k[p.lo : p.hi], v[p.lo : p.hi])
+                    for p in parts
+                ]
+            )
         x = x + F.linear(o, self.o_weight, self.o_bias)
         h = rms_norm(x, self.post_norm, c.rms_norm_eps)
         gate, up = F.linear(h, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+
+    def _attend(
+        self, model: LlamaModel, part: _Part, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Write the part's new K/V into its own pool and attend through its verified tables."""
+        model.backend.write(part.pool, self.index, part.batch.slot_mapping, k, v)
+        return model.backend.attend(
+            part.pool, self.index, q, part.plan, scale=model.scale, window=self.window
+        )
+
+
+@dataclass(slots=True)
+class _Part:
+    """One pool's rows in a step: its batch, its attention plan, its tokens' range [lo, hi)."""
+
+    batch: ForwardBatch
+    pool: KVPool
+    plan: AttentionPlan
+    lo: int
+    hi: int
+
+    def logit_rows(self) -> torch.Tensor:
+        """Indices (into the step's tokens) of the tokens this part wants logits for."""
+        if self.batch.all_logits:
+            return torch.arange(self.lo, self.hi)
+        return self.batch.query_starts[1:] - 1 + self.lo
 
 
 class LlamaModel(CausalLM):
@@ -176,20 +209,45 @@ class LlamaModel(CausalLM):
     # ---- forward ------------------------------------------------------------------------
 
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        return self.forward_many([(batch, pool)])[0]
+
+    def forward_many(self, parts: Sequence[tuple[ForwardBatch, KVPool]]) -> list[torch.Tensor]:
+        """Every part's tokens through each weight once; each part attends only in its own pool."""
+        if not parts:
+            raise ValueError("forward_many needs at least one part")
         with torch.inference_mode():
-            begin_step(pool, batch)  # I1: writes checked, page tables verified, before any gather
-            plan = self.backend.plan(pool, batch, self.dtype)
-            freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
+            for batch, pool in parts:
+                begin_step(pool, batch)  # I1 for every part, before any write or gather
+            steps = self._plan(parts)
+            positions = (
+                torch.cat([b.positions for b, _ in parts])
+                if len(parts) > 1
+                else parts[0][0].positions
+            )
+            freqs = positions.float()[:, None] * self.inv_freq[None, :]
             cos = freqs.cos().to(self.dtype)[:, None, :]
             sin = freqs.sin().to(self.dtype)[:, None, :]
-            x = F.embedding(batch.input_ids, self.embed)
+            ids = (
+                torch.cat([b.input_ids for b, _ in parts])
+                if len(parts) > 1
+                else parts[0][0].input_ids
+            )
+            x = F.embedding(ids, self.embed)
             for layer in self.layers:
-                x = layer(x, self, pool, batch, cos, sin, plan)
-            if not batch.all_logits:
-                x = x[batch.query_starts[1:] - 1]
-            x = rms_norm(x, self.norm, self.config.rms_norm_eps)
+                x = layer(x, self, steps, cos, sin)
+            rows = [p.logit_rows() for p in steps]
+            x = rms_norm(x[torch.cat(rows)], self.norm, self.config.rms_norm_eps)
             head = self.embed if self.lm_head is None else self.lm_head
-            return F.linear(x, head).float()
+            logits = F.linear(x, head).float()
+            return list(logits.split([r.numel() for r in rows]))
+
+    def _plan(self, parts: Sequence[tuple[ForwardBatch, KVPool]]) -> list[_Part]:
+        steps, lo = [], 0
+        for batch, pool in parts:
+            hi = lo + int(batch.input_ids.numel())
+            steps.append(_Part(batch, pool, self.backend.plan(pool, batch, self.dtype), lo, hi))
+            lo = hi
+        return steps
 
 
 class _Weights:

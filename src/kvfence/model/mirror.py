@@ -21,6 +21,8 @@ body is there for its cost, never for its output.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvfence.kv.pool import KVPool
@@ -74,10 +76,18 @@ class MirrorModel(CausalLM):
         return cls(config)
 
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        return self.forward_many([(batch, pool)])[0]
+
+    def forward_many(self, parts: Sequence[tuple[ForwardBatch, KVPool]]) -> list[torch.Tensor]:
         if self.body is not None:
-            self.body.forward(batch, pool)  # the real prefill cost; its output is not used
+            self.body.forward_many(parts)  # the real cost, one body pass; its output is not used
         with torch.inference_mode():
-            begin_step(pool, batch)  # I1, exactly as the real model
+            for batch, pool in parts:
+                begin_step(pool, batch)  # I1 for every part before any write, as the real model
+            return [self._echo(batch, pool) for batch, pool in parts]
+
+    def _echo(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        with torch.inference_mode():
             kv = encode_ids(batch.input_ids, pool.geometry.num_kv_heads, pool.geometry.head_dim)
             for layer in range(pool.geometry.num_layers):
                 self.backend.write(pool, layer, batch.slot_mapping, kv, kv)

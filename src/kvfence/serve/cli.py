@@ -153,7 +153,7 @@ def parse_per_role(value: str | None, option: str) -> tuple[int | None, int | No
 @click.option(
     "--disaggregated",
     is_flag=True,
-    help="router + prefill + decode workers as separate processes on loopback",
+    help="sglang-router (PD mode) + prefill + decode workers as separate processes on loopback",
 )
 @click.option("--prefill", "n_prefill", type=click.IntRange(1), default=1, show_default=True)
 @click.option("--decode", "n_decode", type=click.IntRange(1), default=1, show_default=True)
@@ -184,9 +184,9 @@ def parse_per_role(value: str | None, option: str) -> tuple[int | None, int | No
     "--router",
     "pd_router",
     type=click.Choice(["kvfence", "sglang"]),
-    default="kvfence",
-    show_default=True,
-    help="the PD router in front: kvfence's own, or SGLang's sglang-router (the sglang extra)",
+    default=None,
+    help="the PD router in front: SGLang's sglang-router (the default of --disaggregated; "
+    "the pd extra) or kvfence's own hub (the default of --role)",
 )
 @click.option(
     "--bootstrap-port",
@@ -240,7 +240,7 @@ def serve(
     prefill_addr: tuple[str, ...],
     decode_addr: tuple[str, ...],
     kv_host: str,
-    pd_router: str,
+    pd_router: str | None,
     bootstrap_port: int,
     router_secret_file: Path | None,
     torch_threads: int,

@@ -1,5 +1,8 @@
 """`kvfence serve --disaggregated` and `kvfence serve --role …`: option checks and dispatch.
 
+`--disaggregated` starts the real PD stack (sglang-router, serve/sglang/) unless `--router
+kvfence` asks for kvfence's own hub (serve/pd/: what it still does is in the README).
+
 Each role's spec is built here once from the options, by the same function whether the role
 runs in this process (`--role`) or as a child of `--disaggregated`: a `WorkerSpec` or the
 `RouterSpec` goes to its process whole (serve/pd/spec.py), never back through argv.
@@ -7,6 +10,7 @@ runs in this process (`--role`) or as a child of `--disaggregated`: a `WorkerSpe
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -35,7 +39,8 @@ def pd_main(
     announce: Callable[[str, TenantRegistry, str, str], None],
 ) -> int:
     role = params["role"]
-    if params["pd_router"] == "sglang":
+    if router_of(params) == "sglang":
+        check_real_stack_options(params)
         from kvfence.serve.sglang.cli import sglang_main
 
         return sglang_main(params, faults, tenants, model_dir)
@@ -56,6 +61,30 @@ def pd_main(
 
     spec = worker_spec(params, faults, model_dir, role, params["inbox"], params["router_addr"])
     return run_worker_process(spec)
+
+
+def router_of(params: dict[str, Any]) -> str:
+    """`--router`, or its default: sglang-router for `--disaggregated` (the real PD stack),
+    kvfence's own hub for `--role` (multi-host as before; `--role router` is the hub)."""
+    chosen: str | None = params["pd_router"]
+    return chosen or ("sglang" if params["disaggregated"] else "kvfence")
+
+
+def check_real_stack_options(params: dict[str, Any]) -> None:
+    """A usage error (exit 2) for an option the sglang-router stack would drop silently, and
+    when the router is not installed; the fix is `--router kvfence` (README)."""
+    given = ["--request-log (written by kvfence's own router)"] if params["request_log"] else []
+    if params["no_auth"] and params["disaggregated"]:
+        given.append("--no-auth (a keyless dev tenant cannot be handed to the stack's workers)")
+    if given:
+        raise click.UsageError(
+            f"not with sglang-router: {'; '.join(given)}. Use --router kvfence for these"
+        )
+    if importlib.util.find_spec("sglang_router") is None:
+        raise click.UsageError(
+            "sglang-router is not installed (pip install 'kvfence[pd]'); "
+            "or use kvfence's own router: --router kvfence"
+        )
 
 
 def _disaggregated(

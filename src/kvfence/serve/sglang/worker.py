@@ -22,7 +22,7 @@ from kvfence.faults import FaultSet
 from kvfence.kv.pool import KVPool
 from kvfence.model.loader import LoadedModel, load_model
 from kvfence.serve.app import create_app
-from kvfence.serve.config import ServeConfig, decide_capacity
+from kvfence.serve.config import Capacity, ServeConfig, decide_capacity
 from kvfence.serve.pd.spec import WorkerSpec
 from kvfence.serve.pd.workers import engine_config
 from kvfence.serve.sglang.decode import DecodeSide
@@ -89,8 +89,14 @@ def serve_config(spec: SglangWorkerSpec, loaded: LoadedModel) -> ServeConfig:
     )
 
 
-def router_facts(spec: SglangWorkerSpec, side: PairSide, config: ServeConfig) -> dict[str, Any]:
-    """What sglang-router reads at registration, in SGLang's field names, plus the live pool."""
+def router_facts(
+    spec: SglangWorkerSpec, side: PairSide, config: ServeConfig, capacity: Capacity
+) -> dict[str, Any]:
+    """What sglang-router reads at registration, in SGLang's field names, plus the live pool.
+
+    Also what a fleet audit needs without any key (limits, prefix-cache policy): it reads
+    here on the router's path rather than sending a tenant's key to a worker.
+    """
     pool = side.stats().pools[0]
     w = spec.worker
     return {
@@ -105,6 +111,12 @@ def router_facts(spec: SglangWorkerSpec, side: PairSide, config: ServeConfig) ->
         "disaggregation_transfer_backend": w.transport,
         "context_length": config.context_length,
         "max_total_num_tokens": pool.pool_tokens,
+        "max_req_input_len": capacity.edge_limit,
+        "prefix_cache": {
+            "enabled": config.prefix_cache,
+            "namespacing": config.prefix_namespacing,
+            "cache_salt": True,
+        },
         "page_size": pool.page_size,
         "pages_used": pool.pages_used,
         "pages_free": pool.pages_free,
@@ -131,7 +143,7 @@ def run_sglang_worker(spec: SglangWorkerSpec, tenants: TenantRegistry) -> int:
     add_generate_route(app)  # SGLang's native route, on the same admission path
 
     def facts() -> dict[str, Any]:
-        return router_facts(spec, side, config)
+        return router_facts(spec, side, config, capacity)
 
     gated = RouterGate(app, spec.secret, facts)
     sock = bind(spec.host, spec.port)
