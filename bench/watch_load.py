@@ -24,7 +24,12 @@ target spends serving the load, it is the share of capacity the watcher takes
 
 Prints one line per phase (with the 1-minute load average), then one result line:
 watcher requests per minute, throughput with / without and per pair, and the capacity
-ratio (goal >= 0.98).
+ratio (goal >= 0.98). At the default spacing (a round of d seconds is followed by the next
+no sooner than d / 2% after it began) a round on a large model can be rarer than a phase,
+so the phases may hold no round at all; the run says how many rounds it held, and a last
+line measures one round on its own (the watcher's code in-process at its defaults, the
+watcher paused, no load): its requests, wall time and target CPU seconds, against an
+interval with no round due, and the steady request rate they imply.
 
 Usage: python bench/watch_load.py [--preset smollm|tiny] [--phases 6] [--phase-s 60]
            [--concurrency 4] [--seed 0] [--quick]
@@ -304,6 +309,8 @@ def load_step(
     tokens, n, errors, ttfts, wall = asyncio.run(
         load_phase(target.url, model, args.phase_s, args.concurrency, rng, args)
     )
+    if not target.alive():
+        raise RuntimeError(f"the target exited during phase {i}:\n{target.log_tail(60)}")
     cpu = cpu_seconds(target.pid) - cpu0
     first_error = errors[0][:160] if errors else None
     phase = Phase(
