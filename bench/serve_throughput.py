@@ -12,6 +12,13 @@ converted from it), one server at a time:
             cost of isolation in the serving path is kvfence / kvfence-noledger (goal >= 0.99)
   vLLM      CPU build, `--dtype float32`, `VLLM_CPU_OMP_THREADS_BIND=0-1`, 1 GiB KV
   llama.cpp `llama-server -t 2 -np 16 -c 16384` (1,024 tokens per slot), f32 GGUF
+  kvfence-pd  kvfence's disaggregated stack: the real sglang-router (PD mode) in front of one
+            prefill and one decode `kvfence serve --router sglang` worker (1 GiB KV each, one
+            torch thread each: both share the 2 cores), KV over TCP; `kvfence-pd-mooncake`
+            the same with the Mooncake transfer engine. The router takes text prompts only
+            (token ids get a 422), so these rows send each prompt's ids as text, trimmed
+            until it encodes to at most the same number of tokens (the prompt tokens sent are
+            printed); requests carry a tenant key (the workers authenticate every request, I10)
 
 Output tokens are counted from each stream's `usage`; TTFT is the time to the first
 event that carries a choice. Requests ask for `logprobs: 1` (all engines alike): random
@@ -20,10 +27,12 @@ vLLM send no event for a token without text, so without logprobs the first event
 come at the end of the stream (`--no-logprobs` turns it off). Throughput is all output tokens of a level over its wall
 time. The 1-minute load average is printed next to every figure (the machine is shared).
 Prints one line per engine and level, then one result line per level with the ratios
-kvfence/vLLM and kvfence/llama.cpp (the goal is >= 1.0).
+kvfence/vLLM and kvfence/llama.cpp (the goal is >= 1.0) and pd/kvfence (the disaggregated
+stack against the single-process engine, same run).
 
 Usage: python bench/serve_throughput.py [--preset smollm|tiny] [--requests N]
-           [--engines kvfence,vllm,llamacpp] [--quick] [--profile-kvfence OUT.txt]
+           [--engines kvfence,kvfence-pd,kvfence-pd-mooncake,vllm,llamacpp] [--quick]
+           [--profile-kvfence OUT.txt]
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
@@ -58,8 +68,10 @@ from bench.peers import (  # noqa: E402
 )
 
 from kvfence.model.tiny import PRESETS, default_checkpoint_dir  # noqa: E402
+from kvfence.model.tokenizer import Tokenizer  # noqa: E402
 
-ENGINES = ("kvfence", "kvfence-noledger", "vllm", "llamacpp")
+ENGINES = ("kvfence", "kvfence-noledger", "kvfence-pd", "kvfence-pd-mooncake", "vllm", "llamacpp")
+PD_TRANSPORTS = {"kvfence-pd": "tcp", "kvfence-pd-mooncake": "mooncake"}
 KV_BYTES = 1 << 30  # every engine gets 1 GiB of KV (vLLM's VLLM_CPU_KVCACHE_SPACE=1)
 CONTEXT = 2048
 LLAMA_SLOTS = 16
@@ -145,7 +157,7 @@ async def one_request(
     client: httpx.AsyncClient,
     url: str,
     model: str,
-    prompt: list[int],
+    prompt: list[int] | str,
     max_tokens: int,
     logprobs: bool,
 ) -> Outcome:
@@ -193,18 +205,19 @@ async def one_request(
 async def run_level(
     url: str,
     model: str,
-    prompts: list[list[int]],
+    prompts: list[list[int]] | list[str],
     concurrency: int,
     max_tokens: int,
     logprobs: bool,
+    headers: dict[str, str] | None = None,
 ) -> tuple[list[Outcome], float]:
-    queue: asyncio.Queue[list[int]] = asyncio.Queue()
+    queue: asyncio.Queue[list[int] | str] = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
     outcomes: list[Outcome] = []
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     timeout = httpx.Timeout(3600.0, connect=30.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
 
         async def worker() -> None:
             while True:
@@ -220,28 +233,73 @@ async def run_level(
     return outcomes, wall
 
 
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """A running engine as the bench drives it: its URL, and how it takes the workload."""
+
+    url: str
+    pid: int
+    model: str
+    ready_s: float
+    cmd: list[str]
+    headers: dict[str, str] | None = None
+    tokenizer: Tokenizer | None = None  # set: prompts go as text (a text-only router)
+
+    @classmethod
+    def of(cls, server: PeerServer) -> Serving:
+        model = served_model(server.url)
+        return cls(server.url, server.pid, model, server.ready_s or 0.0, server.cmd)
+
+    def render(self, prompts: list[list[int]]) -> list[list[int]] | list[str]:
+        tok = self.tokenizer
+        return prompts if tok is None else [as_text(tok, ids) for ids in prompts]
+
+
+def as_text(tok: Tokenizer, ids: list[int]) -> str:
+    """Text that encodes to at most len(ids) tokens, as close as a few rounds get."""
+    n, cur = len(ids), ids
+    text = tok.decode(cur)
+    for _ in range(8):
+        again = tok.encode(text)
+        if len(again) == n:
+            return text
+        cur = again[:n] if len(again) > n else again + cur[len(again) : n]
+        text = tok.decode(cur)
+    while len(tok.encode(text)) > n:
+        text = text[:-1]
+    return text
+
+
 def measure(
     engine: str,
-    server: PeerServer,
+    server: Serving,
     work: Workload,
     id_limit: int,
     log: Callable[[str], None],
     profile: Path | None = None,
 ) -> list[LevelResult]:
-    model = served_model(server.url)
+    model = server.model
     # Warm-up (not counted): first-call allocations, lazy compilation, thread pools.
-    warm = [list(range(FIRST_ID, FIRST_ID + 32))]
-    outs, _ = asyncio.run(run_level(server.url, model, warm * 2, 2, 8, work.logprobs))
+    warm = server.render([list(range(FIRST_ID, FIRST_ID + 32))])
+    outs, _ = asyncio.run(
+        run_level(server.url, model, warm * 2, 2, 8, work.logprobs, server.headers)
+    )
     for o in outs:
         if o.error:
             raise RuntimeError(f"{engine}: warm-up request failed: {o.error}")
     results = []
     for i, conc in enumerate(work.levels):
-        prompts = work.prompts(i, id_limit)
+        prompts = server.render(work.prompts(i, id_limit))
+        if server.tokenizer is not None:
+            sent = sum(len(server.tokenizer.encode(str(p))) for p in prompts)
+            ids = sum(len(p) for p in work.prompts(i, id_limit))
+            log(f"  {engine} conc={conc}: prompt tokens sent as text {sent} (as ids {ids})")
         load_before = os.getloadavg()[0]
         spy = profiler(server.pid, profile) if profile and conc == max(work.levels) else None
         outs, wall = asyncio.run(
-            run_level(server.url, model, prompts, conc, work.output_tokens, work.logprobs)
+            run_level(
+                server.url, model, prompts, conc, work.output_tokens, work.logprobs, server.headers
+            )
         )
         if spy is not None:
             stop_profiler(spy, log)
@@ -321,7 +379,34 @@ def start_kvfence(model_dir: Path, log_dir: Path, *extra: str) -> PeerServer:
 
 
 @contextmanager
-def engine_server(engine: str, model_dir: Path, log_dir: Path) -> Iterator[PeerServer]:
+def pd_stack(transport: str, model_dir: Path, log_dir: Path) -> Iterator[Serving]:
+    """sglang-router + one prefill + one decode kvfence worker (serve/sglang/stack.py)."""
+    from kvfence.serve.sglang.stack import Stack, StackSpec
+    from kvfence.serve.tenants import TenantRegistry
+
+    tenants = TenantRegistry.generate(("bench",))
+    workdir = Path(tempfile.mkdtemp(prefix="kvfence-pd-", dir=log_dir))
+    tenants_file = workdir / "tenants.json"
+    tenants_file.write_text(tenants.to_json())
+    args = ["--model", str(model_dir), "--model-kind", "llama", "--kv-bytes", str(KV_BYTES)]
+    args += ["--context-length", str(CONTEXT), "--torch-threads", "1", "--transport", transport]
+    t0 = time.perf_counter()
+    with Stack(StackSpec(tuple(args), tenants_file), workdir=workdir) as stack:
+        ready = time.perf_counter() - t0
+        key = {"Authorization": f"Bearer {tenants.tenants[0].keys[0]}"}
+        router = stack.supervisor.procs["sglang-router"]
+        argv = [f"sglang-router PD + kvfence workers ({transport}), logs {workdir}"]
+        tok = Tokenizer.from_dir(model_dir)
+        yield Serving(stack.url, router.pid, model_dir.name, ready, argv, key, tok)
+
+
+@contextmanager
+def engine_server(engine: str, model_dir: Path, log_dir: Path) -> Iterator[Serving]:
+    if engine in PD_TRANSPORTS:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with pd_stack(PD_TRANSPORTS[engine], model_dir, log_dir) as serving:
+            yield serving
+        return
     if engine == "kvfence":
         server = start_kvfence(model_dir, log_dir)
     elif engine == "kvfence-noledger":
@@ -340,7 +425,7 @@ def engine_server(engine: str, model_dir: Path, log_dir: Path) -> Iterator[PeerS
             model_dir, ctx_size=LLAMA_CTX, parallel=LLAMA_SLOTS, threads=2, outtype="f32"
         )
     with server:
-        yield server
+        yield Serving.of(server)
 
 
 def installed(engine: str, cache: PeerCache) -> bool:
@@ -348,6 +433,11 @@ def installed(engine: str, cache: PeerCache) -> bool:
         return cache.vllm_installed()
     if engine == "llamacpp":
         return cache.llamacpp_installed()
+    if engine == "kvfence-pd-mooncake":
+        try:
+            import mooncake.engine  # noqa: F401  (the `pd` extra)
+        except ImportError:
+            return False
     return True
 
 
@@ -420,6 +510,9 @@ def main() -> None:
             parts.append(f"kvfence/vllm={ratio(kv, figures.get('vllm'))}")
             parts.append(f"kvfence/llamacpp={ratio(kv, figures.get('llamacpp'))}")
             parts.append(f"isolation_cost=1-{ratio(kv, figures.get('kvfence-noledger'))}")
+            for pd in PD_TRANSPORTS:
+                if pd in figures:
+                    parts.append(f"{pd}/kvfence={ratio(figures[pd], kv)}")
         loads = "/".join(f"{r[conc].load_before:.1f}" for r in by_engine.values())
         log(
             f"serve_throughput preset={args.preset} conc={conc} out_tok_s: "

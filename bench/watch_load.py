@@ -157,16 +157,28 @@ def start_watcher(url: str, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     return proc, f"http://127.0.0.1:{port}/metrics"
 
 
-def watcher_requests(metrics_url: str) -> float | None:
-    """The watcher's own count of requests sent (None until its first interval ended)."""
+def watcher_requests(metrics_url: str, series: str = REQUESTS_METRIC + "{") -> float | None:
+    """The watcher's own count of requests sent (None until its first interval ended); or
+    the first series whose line starts with `series`."""
     try:
         text = httpx.get(metrics_url, timeout=10.0).text
     except httpx.HTTPError:
         return None
     for line in text.splitlines():
-        if line.startswith(REQUESTS_METRIC + "{"):
+        if line.startswith(series):
             return float(line.rsplit(" ", 1)[1])
     return None
+
+
+def rounds_so_far(metrics_url: str) -> str:
+    """Probe rounds the watcher ran (timing probes / round size) and intervals it skipped."""
+    from kvfence.watch.probes import ROUND
+
+    timing = watcher_requests(metrics_url, 'kvfence_guard_probes_total{kind="timing"')
+    skipped = watcher_requests(metrics_url, "kvfence_guard_probes_skipped_total{")
+    return (
+        f"probe rounds run {(timing or 0) / ROUND:.0f}, rounds skipped (spacing) {skipped or 0:.0f}"
+    )
 
 
 def wait_first_interval(proc: subprocess.Popen[bytes], metrics_url: str, timeout: float) -> float:
@@ -182,6 +194,47 @@ def wait_first_interval(proc: subprocess.Popen[bytes], metrics_url: str, timeout
     raise RuntimeError("kvfence watch did not finish its first interval in time")
 
 
+def round_cost(target: PeerServer) -> str:
+    """One probe round measured on its own, the watcher paused, no load: the watcher's code
+    at its defaults in-process (first interval: detection, gate, boundary, a round), then one
+    more interval with the round due, timed with the target's CPU seconds."""
+    from kvfence.watch.guard import GuardConfig, Keys, TargetGuard
+    from kvfence.watch.metrics import WatchMetrics
+
+    config = GuardConfig()
+    keys = Keys(KEYS["probe-a"], KEYS["probe-b"], OPERATOR)
+    guard = TargetGuard(target.url, "kvfence", keys, config, WatchMetrics())
+    try:
+        guard.cycle()
+        reads_only = _timed(guard, target, due=False)
+        one_round = _timed(guard, target, due=True)
+    finally:
+        guard.close()
+    (r0, w0, c0), (r1, w1, c1) = reads_only, one_round
+    gap = w1 / config.max_target_share
+    per_min = (r1 - r0) * 60 / max(gap, config.interval_s) + r0 * 60 / config.interval_s
+    return (
+        f"per-round cost (idle target, watcher defaults): an interval with no round due "
+        f"{r0} requests {w0:.2f} s target_cpu_s={c0:.3f}; with the round {r1} requests "
+        f"{w1:.2f} s target_cpu_s={c1:.3f}; at the default share "
+        f"({config.max_target_share:.0%}) the next round waits {gap:.0f} s, so the steady "
+        f"load is ~{per_min:.1f} requests/min; load1={os.getloadavg()[0]:.1f}"
+    )
+
+
+def _timed(guard: object, target: PeerServer, *, due: bool) -> tuple[int, float, float]:
+    """(requests, wall s, target CPU s) of one guard interval; `due` makes its round run now."""
+    from kvfence.watch.guard import TargetGuard
+
+    assert isinstance(guard, TargetGuard)
+    guard.sent_at.clear()  # the per-minute budget is not what is measured here
+    guard.next_round_at = 0.0 if due else time.monotonic() + 3600.0
+    sent0, cpu0, t0 = guard.ctx.budget.sent, cpu_seconds(target.pid), time.perf_counter()
+    guard.cycle()
+    wall = time.perf_counter() - t0
+    return guard.ctx.budget.sent - sent0, wall, cpu_seconds(target.pid) - cpu0
+
+
 def run(args: argparse.Namespace, log_dir: Path) -> None:
     target = start_target(args.preset, log_dir, args.context)
     watcher, metrics_url = start_watcher(target.url, log_dir)
@@ -193,6 +246,8 @@ def run(args: argparse.Namespace, log_dir: Path) -> None:
             flush=True,
         )
         measure(args, target, watcher, metrics_url, first)
+        os.killpg(watcher.pid, signal.SIGSTOP)
+        print(round_cost(target), flush=True)
     finally:
         os.killpg(watcher.pid, signal.SIGCONT)
         os.killpg(watcher.pid, signal.SIGTERM)
@@ -212,6 +267,7 @@ def measure(
     model = str(models["data"][0]["id"])
     phases = [load_step(args, target, watcher, model, i) for i in range(args.phases)]
     after = watcher_requests(metrics_url)
+    print(f"  watcher so far: {rounds_so_far(metrics_url)}", flush=True)
     running_s = sum(p.wall_s for p in phases if p.watcher)
     rpm = (after - first) / (running_s / 60) if after is not None else float("nan")
     idle, alone, alone_rpm = idle_pair(args, target, watcher, metrics_url, after)

@@ -27,6 +27,9 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "kv": ("kvfence.model", "kvfence.engine", *UPWARD, *NETWORK),
     "model": ("kvfence.engine", *UPWARD, *NETWORK),
     "engine": (*UPWARD, *NETWORK),
+    # serve sits under the lab (which drives it) and the top-level CLI (which wires both).
+    "serve": ("kvfence.lab", "kvfence.cli"),
+    "lab": ("kvfence.cli",),
     # The audit reaches engines over HTTP only (it may start `kvfence serve` as a process).
     "audit": ENGINE_SIDE,
     # The guard reaches engines only through the audit's adapters, over HTTP.
@@ -115,3 +118,75 @@ def test_layering_check_catches_an_upward_import(tmp_path: Path) -> None:
         "kv/bad.py: imports zmq",
         "kv/bad.py: imports kvfence.model",
     ]
+
+
+def _package_of(name: str, root: Path) -> str | None:
+    """The top-level part of kvfence a module name lives in (`kvfence.serve.pd.cli` -> serve,
+    `kvfence.cli` -> cli); "kvfence" for the package's own `__init__`; None outside kvfence."""
+    parts = name.split(".")
+    if parts[0] != "kvfence":
+        return None
+    if len(parts) == 1:
+        return "kvfence"
+    top = parts[1]
+    return top if (root / top).is_dir() or (root / f"{top}.py").exists() else "kvfence"
+
+
+def package_graph(root: Path = SRC) -> dict[str, set[str]]:
+    """Which top-level parts of kvfence import which (every import, lazy ones included)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        me = "kvfence" if rel == Path("__init__.py") else rel.parts[0].removesuffix(".py")
+        out = graph.setdefault(me, set())
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                subs = [f"{node.module}.{a.name}" for a in node.names]
+                names = subs if node.module == "kvfence" else [node.module]
+            out.update(p for n in names if (p := _package_of(n, root)) not in (None, me))
+    return graph
+
+
+def package_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every cycle reachable in the graph, each as the path that closes it."""
+    cycles: list[list[str]] = []
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            cycles.append([*path[path.index(node) :], node])
+            return
+        if node in done:
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, [*path, node])
+        done.add(node)
+
+    for start in sorted(graph):
+        visit(start, [])
+    return cycles
+
+
+def test_no_package_imports_itself_round_a_cycle() -> None:
+    graph = package_graph()
+    assert {"faults", "kv", "model", "engine", "serve", "lab", "audit", "cli"} <= set(graph)
+    assert package_cycles(graph) == []
+
+
+def test_the_cycle_check_catches_a_cycle(tmp_path: Path) -> None:
+    """The check itself can fail: serve importing the lab, which imports serve, is a cycle."""
+    for pkg, text in (
+        ("serve", "def f():\n    from kvfence.lab.profiles import PROFILES\n"),
+        ("lab", "from kvfence.serve.build import build_local\n"),
+        ("kv", "from kvfence import faults\n"),
+    ):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "m.py").write_text(text)
+    (tmp_path / "faults.py").write_text("X = 1\n")
+    graph = package_graph(tmp_path)
+    assert graph == {"serve": {"lab"}, "lab": {"serve"}, "kv": {"faults"}, "faults": set()}
+    assert package_cycles(graph) == [["lab", "serve", "lab"]]

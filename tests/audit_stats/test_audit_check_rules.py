@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -172,3 +174,27 @@ def test_designs_grow_until_their_most_extreme_outcome_reaches_alpha() -> None:
         assert 2 * design_p_value(rep, rep, 4) < alpha <= 2 * design_p_value(rep - 1, rep - 1, 4)
     assert fisher_repeats_for(1e-3, 8) == 8  # never below the configured repeats
     assert LatencyConfig().repeats_for(1e-9 / 3) > LatencyConfig().repeats_for(1e-3 / 3)
+
+
+def test_a_smaller_alpha_keeps_the_default_audits_power() -> None:
+    """At 1e-9 the default 24 trials per arm reach the level only by complete separation (a
+    real, noisy leak passed): the design grows until it detects what the default detects."""
+    from kvfence.audit.alpha import REFERENCE_SHARE, sequential_design_for
+    from kvfence.audit.stats import ks_critical_distance
+
+    base = SequentialDesign(batch=8, max_per_arm=24)
+
+    def detectable(d: SequentialDesign) -> float:
+        return ks_critical_distance(d.max_per_arm, d.max_per_arm, d.alpha_per_look)
+
+    default = sequential_design_for(base, REFERENCE_SHARE)
+    assert default.max_per_arm == 24  # the default audit is unchanged
+    assert detectable(replace(base, alpha=5e-10)) > 0.95  # 24 per arm at 1e-9: D ~ 1 only
+    for alpha in (1e-4, 1e-6, 5e-10, 1e-12):
+        d = sequential_design_for(base, alpha)
+        assert (
+            detectable(d)
+            <= detectable(default)
+            < detectable(replace(d, max_per_arm=d.max_per_arm - 8))
+        )
+    assert sequential_design_for(base, 5e-10).max_per_arm == 64

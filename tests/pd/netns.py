@@ -15,6 +15,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -135,3 +136,23 @@ def tail(path: Path, n: int = 3000) -> str:
         return path.read_text(errors="replace")[-n:]
     except OSError as e:
         return f"<{path}: {e}>"
+
+
+def popen_on(lab: NetLab, host: str, argv: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
+    """Start argv on `host`, stdout and stderr to `log`."""
+    with log.open("wb") as out:
+        return subprocess.Popen(lab.exec_argv(host, argv), stdout=out, stderr=subprocess.STDOUT)
+
+
+def stop_all(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = 10) -> None:
+    """SIGTERM all, then SIGKILL what is left after `grace_s`."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    end = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

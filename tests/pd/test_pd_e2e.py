@@ -186,45 +186,41 @@ def _running(pattern: str) -> int:
     return len(out.split())
 
 
-def test_serve_disaggregated_command(pd_checkpoint: Path, tmp_path: Path) -> None:
-    """`kvfence serve --disaggregated`: children on loopback, a real request, Ctrl-C stops them all.
-
-    The supervisor hands each worker its spec as a file in its temporary folder (under
-    TMPDIR, here tmp_path), so every child's command line names tmp_path."""
+def _serve_announced(
+    args: list[str], env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], str]:
+    """`kvfence serve ARGS` started, and what it printed up to its ready-to-paste curl line."""
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvfence",
-            "serve",
-            "--disaggregated",
-            "--model",
-            str(pd_checkpoint),
-            "--model-kind",
-            "mirror",
-            "--kv-pages",
-            "512",
-            "--transport",
-            "shm",
-        ],
-        env={**os.environ, "TMPDIR": str(tmp_path)},
+        [sys.executable, "-m", "kvfence", "serve", *args],
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    end = time.monotonic() + 240
+    while time.monotonic() < end and not (lines and lines[-1].startswith("try: curl")):
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+    return proc, "".join(lines)
+
+
+def test_serve_disaggregated_command(pd_checkpoint: Path, tmp_path: Path) -> None:
+    """`kvfence serve --disaggregated`: children on loopback, a real request, Ctrl-C stops them all.
+
+    The supervisor hands each role its spec as a file in its temporary folder (under
+    TMPDIR, here tmp_path), so every child's command line names tmp_path."""
+    args = ["--disaggregated", "--router", "kvfence", "--model", str(pd_checkpoint)]
+    args += ["--model-kind", "mirror"]
+    args += ["--kv-pages", "512", "--transport", "shm"]
+    proc, text = _serve_announced(args, env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
-        assert proc.stdout is not None
-        lines: list[str] = []
-        url = key = None
-        end = time.monotonic() + 240
-        while time.monotonic() < end and (url is None or key is None):
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            url = url or (m.group(1) if (m := re.search(r"at (http://\S+)", line)) else None)
-            key = key or (m.group(1) if (m := re.search(r"key (sk-kvf-\w+)", line)) else None)
-        assert url and key, "".join(lines)
+        url = m.group(1) if (m := re.search(r"at (http://\S+)", text)) else None
+        key = m.group(1) if (m := re.search(r"key (sk-kvf-\w+)", text)) else None
+        assert url and key, text
         r = httpx.post(
             f"{url}/v1/completions",
             headers={"Authorization": f"Bearer {key}"},
@@ -242,6 +238,7 @@ def test_serve_disaggregated_command(pd_checkpoint: Path, tmp_path: Path) -> Non
         ).json()
         assert info["disaggregated"] and info["transport"] == "shm"
         assert _running(f"kvfence.serve.pd.worker_entry {tmp_path}") == 2  # prefill + decode
+        assert _running(f"kvfence.serve.pd.router_entry {tmp_path}") == 1
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
@@ -252,25 +249,13 @@ def test_serve_disaggregated_command(pd_checkpoint: Path, tmp_path: Path) -> Non
 
 def test_serve_disaggregated_no_auth(pd_checkpoint: Path) -> None:
     """`--disaggregated --no-auth` starts (the keyless dev tenant reaches the router as
-    `--no-auth`, not as a tenants file it would refuse) and serves a request with no key."""
-    args = ["--disaggregated", "--no-auth", "--port", "0", "--model", str(pd_checkpoint)]
+    `no_auth` in its spec, not as a tenants file it would refuse) and serves a request with
+    no key."""
+    args = ["--disaggregated", "--router", "kvfence", "--no-auth", "--port", "0"]
+    args += ["--model", str(pd_checkpoint)]
     args += ["--model-kind", "mirror", "--kv-pages", "512"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvfence", "serve", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc, text = _serve_announced(args)
     try:
-        assert proc.stdout is not None
-        lines: list[str] = []
-        end = time.monotonic() + 240
-        while time.monotonic() < end and not (lines and lines[-1].startswith("try: curl")):
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-        text = "".join(lines)
         url = re.search(r"at (http://\S+)", text)
         assert url is not None and "auth: none (dev mode" in text, text
         body = {"prompt": "hello dev", "max_tokens": 8, "temperature": 0}
@@ -289,6 +274,6 @@ def test_no_auth_stays_loopback_only_when_disaggregated() -> None:
 
     from kvfence.cli import main
 
-    args = ["serve", "--disaggregated", "--no-auth", "--host", "0.0.0.0"]
+    args = ["serve", "--disaggregated", "--router", "kvfence", "--no-auth", "--host", "0.0.0.0"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and "only allowed on a loopback host" in result.output

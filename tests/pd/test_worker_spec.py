@@ -12,10 +12,10 @@ import pytest
 from kvfence.serve.pd.spec import (
     SpecError,
     WorkerSpec,
-    decode_worker_spec,
-    encode_worker_spec,
-    read_worker_spec,
-    write_worker_spec,
+    decode_spec,
+    encode_spec,
+    read_spec,
+    write_spec,
 )
 
 SPEC = WorkerSpec(
@@ -32,15 +32,15 @@ SPEC = WorkerSpec(
 
 
 def _doc(**body: object) -> str:
-    obj = json.loads(encode_worker_spec(SPEC))
+    obj = json.loads(encode_spec(SPEC))
     obj["body"].update(body)
     return json.dumps(obj)
 
 
 def test_a_spec_round_trips_through_its_file(tmp_path: Path) -> None:
     path = tmp_path / "decode-0.json"
-    write_worker_spec(SPEC, path)
-    assert read_worker_spec(path) == SPEC
+    write_spec(SPEC, path)
+    assert read_spec(WorkerSpec, path) == SPEC
     assert path.stat().st_mode & 0o077 == 0  # the owner's only
 
 
@@ -49,7 +49,7 @@ def test_a_spec_round_trips_through_its_file(tmp_path: Path) -> None:
     [
         ("{not json", "not a JSON worker spec"),
         (json.dumps({"type": "kvfence.WorkerSpec", "body": {}}), "exactly 'type', 'version'"),
-        (encode_worker_spec(SPEC).replace('"version": 1', '"version": 9'), "version 9"),
+        (encode_spec(SPEC).replace('"version": 1', '"version": 9'), "version 9"),
         (_doc(pagez=3), "unknown fields ['pagez']"),
         (_doc(pages="512"), "WorkerSpec.pages"),
         (_doc(faults="early-free"), "WorkerSpec.faults must be a list"),
@@ -60,15 +60,15 @@ def test_a_spec_round_trips_through_its_file(tmp_path: Path) -> None:
 )
 def test_a_bad_spec_is_refused_with_the_reason(raw: str, why: str) -> None:
     with pytest.raises(SpecError) as e:
-        decode_worker_spec(raw)
+        decode_spec(WorkerSpec, raw)
     assert why in str(e.value)
 
 
 def test_a_missing_field_is_refused() -> None:
-    obj = json.loads(encode_worker_spec(SPEC))
+    obj = json.loads(encode_spec(SPEC))
     del obj["body"]["inbox"]
     with pytest.raises(SpecError, match="inbox"):
-        decode_worker_spec(json.dumps(obj))
+        decode_spec(WorkerSpec, json.dumps(obj))
 
 
 def test_the_worker_entry_exits_2_on_a_bad_spec_before_loading_a_model(tmp_path: Path) -> None:

@@ -9,13 +9,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
 
-from transfer_children import GEOM, PROMPT, Job, run_jobs, sender_process
+from transfer_children import GEOM, PROMPT, Job, make_transport, run_jobs, sender_process
 
 from kvfence.engine.messages import TransferDone
 from kvfence.engine.reconcile import Reservation, payload_checksum, reconcile
 from kvfence.faults import FaultSet
 from kvfence.kv.pool import KVPool
-from kvfence.serve.transfer import Event, Landed, get_transport
+from kvfence.serve.transfer import Event, Landed
 
 CTX = multiprocessing.get_context("spawn")
 DEADLINE_S = 60.0  # a hang guard, not a timing assertion
@@ -24,7 +24,7 @@ DEADLINE_S = 60.0  # a hang guard, not a timing assertion
 class Decode:
     def __init__(self, transport: str, faults: FaultSet | None = None) -> None:
         self.name = transport
-        self.transport = get_transport(transport)
+        self.transport = make_transport(transport)
         self.pool = self.transport.create_pool(GEOM, 64, faults=faults or FaultSet())
         self.rx = self.transport.receiver(self.pool)
         self.reservations: dict[str, Reservation] = {}

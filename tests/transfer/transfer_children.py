@@ -22,7 +22,8 @@ from kvfence.engine.prefill import OutboundTransfer
 from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import KVPool, PageHandle
 from kvfence.serve.transfer import TransferRefused, framing, get_transport
-from kvfence.serve.transfer.base import InPlaceSender, KVSender
+from kvfence.serve.transfer.base import InPlaceSender, KVSender, KVTransport
+from kvfence.serve.transfer.granted import GrantedSender
 from kvfence.serve.transfer.layout import Outgoing, PoolShape
 
 GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
@@ -76,9 +77,28 @@ def outbound(job: Job, handles: list[PageHandle]) -> OutboundTransfer:
     return OutboundTransfer(job.room, job.tenant, job.num_tokens, dest, tuple(handles), 7, (), 0)
 
 
+def flip_in_flight(sender: GrantedSender, out: Outgoing) -> None:
+    """A transfer engine corrupts a byte of page 1 in transit (after the sender's checksum)."""
+    real = sender.write
+
+    def write(o: Outgoing, end: bytes) -> str | None:
+        tamper(o, "flip")  # the source, flipped after `complete` took the checksum
+        try:
+            return real(o, end)
+        finally:
+            tamper(o, "flip")  # flipped back: the next job's source is clean
+            del sender.write  # type: ignore[method-assign]
+
+    sender.write = write  # type: ignore[method-assign]
+
+
 def run_job(sender: KVSender, job: Job, conn: Connection) -> tuple[str, str]:
     pool, handles = source_pool(job.seed)
-    out = tamper(sender.prepare(outbound(job, handles), pool), job.tamper)
+    if job.tamper == "flip" and isinstance(sender, GrantedSender):
+        out = sender.prepare(outbound(job, handles), pool)
+        flip_in_flight(sender, out)
+    else:
+        out = tamper(sender.prepare(outbound(job, handles), pool), job.tamper)
     try:
         if job.hold:
             assert isinstance(sender, InPlaceSender)
@@ -100,9 +120,15 @@ def run_jobs(sender: KVSender, jobs: list[Job], conn: Connection) -> None:
         conn.send(run_job(sender, job, conn))
 
 
+def make_transport(name: str) -> KVTransport:
+    """A backend by name; `mooncake:1000` is Mooncake writing (and announcing) 1000-byte chunks."""
+    base, _, chunk = name.partition(":")
+    return get_transport(base, chunk_bytes=int(chunk)) if chunk else get_transport(base)
+
+
 def sender_process(transport: str, address: str, jobs: list[Job], conn: Connection) -> None:
     """A prefill process: connect to decode at `address` and run the jobs in order."""
-    sender = get_transport(transport).sender(address)
+    sender = make_transport(transport).sender(address)
     run_jobs(sender, jobs, conn)
     sender.close()
     conn.send(("closed", ""))

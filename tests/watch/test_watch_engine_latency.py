@@ -11,54 +11,21 @@ are not — the corroboration can fail. It is never an alarm by itself.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import pytest
+from watch_helpers import hardened
 
 from kvfence.audit.targets.base import Sample
 from kvfence.lab.profiles import PROFILES
 from kvfence.lab.scenario import OPERATOR, TENANT_A, TENANT_B, lab_server
-from kvfence.model.tiny import make_tiny_checkpoint
-from kvfence.serve.app import create_app
-from kvfence.serve.build import PoolSizes, build_local
-from kvfence.serve.tenants import TenantRegistry
-from kvfence.serve.thread import ServerThread
 from kvfence.watch.engine_latency import PREFILL, EngineLatency, Histogram, read_histograms
 from kvfence.watch.guard import GuardConfig, Interval, Keys, TargetGuard
 from kvfence.watch.metrics import WatchMetrics
 from kvfence.watch.probes import PAIRS_PER_ROUND, ROUND
 
 # Timing only, every interval, no spacing: the guard's probes are the only traffic.
-CONFIG = GuardConfig(interval_s=1.0, canary=False, max_target_share=1.0)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("watch-ckpt") / "tiny", seed=0)
-
-
-@contextmanager
-def hardened(checkpoint: Path) -> Iterator[tuple[str, dict[str, str]]]:
-    """Every defence on, pools well above the context (512), real tiny transformer."""
-    parts = build_local(
-        checkpoint,
-        kind="llama",
-        context_length=512,
-        pools=PoolSizes(prefill_pages=128, decode_pages=128),
-        prefix_cache=False,
-    )
-    tenants = TenantRegistry.generate((TENANT_A, TENANT_B))
-    keys = {t.name: t.keys[0] for t in tenants.tenants} | {OPERATOR: tenants.operator_keys[0]}
-    app = create_app(parts.pipeline, parts.loaded.tokenizer, parts.config, tenants)
-    parts.pipeline.start()
-    try:
-        with ServerThread(app) as srv:
-            yield srv.url, keys
-    finally:
-        parts.pipeline.stop()
+CONFIG = GuardConfig(interval_s=1.0, requests_per_minute=600, canary=False, max_target_share=1.0)
 
 
 def guard_on(url: str, keys: dict[str, str]) -> TargetGuard:
@@ -73,7 +40,7 @@ def cycles(guard: TargetGuard, n: int) -> list[Interval]:
     return out
 
 
-def short_traffic(url: str, key: str, n: int = 12) -> None:
+def short_traffic(url: str, key: str, n: int = 24) -> None:
     """Other traffic: ``n`` 16-token prompts (the short bucket the evidence compares with)."""
     headers = {"Authorization": f"Bearer {key}"}
     with httpx.Client(base_url=url, headers=headers, timeout=60) as http:
@@ -122,35 +89,47 @@ def test_an_interval_delta_is_exactly_the_guards_probes_on_real_kvfence(checkpoi
     assert sample(guard, "kvfence_guard_engine_histograms") == len(delta) >= 2
 
 
+def fast_long_after_short_traffic(guard: TargetGuard, url: str, key: str) -> tuple[float, float]:
+    """(long prefills as fast as short ones, long prefills) over three intervals that follow
+    other tenants' short traffic (the short bucket the evidence compares with)."""
+    fast = "kvfence_guard_engine_fast_long_prefills_total"
+    try:
+        cycles(guard, 2)
+        short_traffic(url, key)
+        before = sample(guard, fast) or 0.0
+        seen = 0.0
+        for _ in range(3):
+            cycles(guard, 1)
+            assert guard.long_tokens is not None
+            ev = guard.engine_latency.long_bucket(guard.long_tokens)
+            assert ev is not None
+            print(ev.note())
+            seen += ev.observations
+    finally:
+        guard.close()
+    return (sample(guard, fast) or 0.0) - before, seen
+
+
 def test_the_lab_placeholder_shows_in_the_engines_own_long_bucket(checkpoint: Path) -> None:
-    """Corroboration that can fail: all long prefills as fast as short ones on the lab, on
-    the hardened engine (a real forward pass over 511 tokens) not one of them."""
+    """Corroboration that can fail: on the lab the long prefills (a 1-token placeholder) come
+    in as fast as short ones; on the hardened engine (a real forward pass) not one. The
+    histogram's buckets double, and on a loaded 2-core machine the short bucket's p95 reaches
+    16 ms while the tiny model prefills 511 tokens in 16-32 ms: the hardened engine runs at
+    context 1,024 (1,023-token probes, a bucket's width clear). A placeholder can land past
+    the short bucket's p95 on a shared machine, so the lab needs most, not all."""
     lab_faults = PROFILES["workers-ai-2026"].faults
     with lab_server(checkpoint, lab_faults, model_kind="llama") as lab:
         on_lab = guard_on(lab.url, lab.keys)
-        try:
-            cycles(on_lab, 2)
-            short_traffic(lab.url, lab.keys[TENANT_A])
-            cycles(on_lab, 1)
-        finally:
-            on_lab.close()
-    with hardened(checkpoint) as (url, keys):
-        on_hardened = guard_on(url, keys)
-        try:
-            cycles(on_hardened, 2)
-            short_traffic(url, keys[TENANT_A])
-            cycles(on_hardened, 1)
-        finally:
-            on_hardened.close()
-    lab_ev = on_lab.engine_latency.long_bucket(511)
-    ok_ev = on_hardened.engine_latency.long_bucket(511)
-    assert lab_ev is not None and ok_ev is not None
-    print(f"\nlab: {lab_ev.note()}\nhardened: {ok_ev.note()}")
-    assert lab_ev.observations == lab_ev.as_fast_as_short == PAIRS_PER_ROUND
-    assert ok_ev.observations == PAIRS_PER_ROUND and ok_ev.as_fast_as_short == 0
-    assert (sample(on_lab, "kvfence_guard_engine_fast_long_prefills_total") or 0) > 0
-    # Corroboration is a note, never an alarm: three rounds cannot reach the budget's alpha.
+        lab_fast, lab_seen = fast_long_after_short_traffic(on_lab, lab.url, lab.keys[TENANT_A])
+    with hardened(checkpoint, context=1024) as (url, keys):
+        on_ok = guard_on(url, keys)
+        ok_fast, ok_seen = fast_long_after_short_traffic(on_ok, url, keys[TENANT_A])
+    assert lab_seen == ok_seen == 3 * PAIRS_PER_ROUND
+    assert lab_fast >= 0.65 * lab_seen, (lab_fast, lab_seen)
+    assert ok_fast == 0, (ok_fast, ok_seen)
+    # Corroboration is a note, never an alarm: five rounds cannot reach the budget's alpha.
     assert on_lab.last is not None and not on_lab.last.too_fast
+    assert any("engine's own kvfence_prefill_seconds" in n for n in on_lab.last.notes)
 
 
 def test_histogram_deltas_quantiles_and_resets() -> None:

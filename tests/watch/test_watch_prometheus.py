@@ -36,7 +36,7 @@ KEYS = {"a": "watch-tenant-a-0123456789", "b": "watch-tenant-b-0123456789"}
 OPERATOR = "watch-operator-0123456789"
 COMMON = ("--model-kind", "mirror-body", "--preset", "demo", "--context-length", "512")
 LAB = (
-    "--disaggregated", "--kv-pages", "prefill=21,decode=64",
+    "--disaggregated", "--router", "kvfence", "--kv-pages", "prefill=21,decode=64",
     "--lab-fault", "undersized-pool", "--lab-fault", "abort-not-terminal",
     "--lab-fault", "decode-trusts-bootstrap", "--lab-fault", "no-ledger-check",
 )  # fmt: skip

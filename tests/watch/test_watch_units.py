@@ -68,10 +68,15 @@ def test_dashboard_and_rules_name_only_metrics_that_exist() -> None:
     engine |= {f"kvfence_{n}" for n in ("isolation_violations", "transfer_mismatches")}
     engine |= {"kvfence_transfer_failures"}
     known = guard | engine
-    used = set(re.findall(r"\b(kvfence_[a-z_]+)", "\n".join(exprs)))
+    used = set(re.findall(r"\b(kvfence_[a-z0-9_]+)", "\n".join(exprs)))
     base = {re.sub(r"_(total|bucket)$", "", u) for u in used}  # counter / histogram series
     assert base - known == set()
     assert len(dash["panels"]) >= 10
+    # ...and every series the guard exports is charted or alerted on (none exported unseen);
+    # the guard's own request load is charted per target.
+    assert guard - base == set()
+    charted = "\n".join(t["expr"] for p in dash["panels"] for t in p["targets"])
+    assert "rate(kvfence_guard_requests_total[5m])" in charted
 
 
 ALPHA_1S = AlarmBudget(1.0, 1.0).alpha  # the Prometheus test's interval: ~3.9e-7 per test

@@ -55,7 +55,25 @@ def _embedded_runner() -> Callable[..., AuditRun] | None:
     return runner if callable(runner) else None
 
 
-@click.group(invoke_without_command=True)
+class _AuditGroup(click.Group):
+    """`kvfence audit latency --from-log FILE` (the statistical checks' log mode) is imported
+    only when invoked: it pulls in scipy, which the runbook needs only once its checks load
+    (the embedded default loads them while its servers start)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), "latency"})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name != "latency":
+            return super().get_command(ctx, cmd_name)
+        try:
+            from kvfence.audit.latency import latency_command
+        except ImportError:  # not part of this build
+            return None
+        return latency_command
+
+
+@click.group(cls=_AuditGroup, invoke_without_command=True)
 @click.option(
     "--target", "targets", multiple=True, help="engine base URL (repeat for several nodes)"
 )
@@ -250,15 +268,3 @@ def finish(
         if path:
             click.echo(f"{label}: {path}")
     sys.exit(code)
-
-
-def _add_latency() -> None:
-    """`kvfence audit latency --from-log FILE` (the statistical checks' log mode), when built."""
-    try:
-        from kvfence.audit.latency import latency_command
-    except ImportError:
-        return
-    audit.add_command(latency_command, name="latency")
-
-
-_add_latency()

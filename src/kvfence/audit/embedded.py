@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from kvfence.audit.base import DEFAULT_ALPHA, AuditContext, Budget, CheckResult
-from kvfence.audit.runbook import ALL_CHECKS, AuditRun, run_audit
+from kvfence.audit.runbook import ALL_CHECKS, AuditRun, preload_checks, run_audit
 
 KEY_A = "embedded-tenant-a-key-0001"
 KEY_B = "embedded-tenant-b-key-0002"
@@ -33,6 +33,8 @@ KEY_OPERATOR = "embedded-operator-key-0003"
 # (0.66 x context, like 681,280 / 1,048,576); the fix holds 64 pages = 2 x context.
 COMMON = (
     "--disaggregated",
+    "--router",
+    "kvfence",  # its own hub: the demo's budget and its checks at kvfence's edge (README)
     # The mirror head (leaks read as text) over a small real Llama body (prefill costs what
     # a transformer's does, so signal 3 is measurable): see kvfence.model.mirror.
     "--model-kind",
@@ -146,6 +148,7 @@ def audit_embedded(
         tempfile.TemporaryDirectory(prefix="kvfence-embedded-") as tmp,
         started_all(specs, Path(tmp)) as servers,
     ):
+        preload_checks(checks)  # while the servers import torch and load their models
         for s in servers:
             if progress is not None:
                 progress(f"starting {s.name} at {s.url}", None)
@@ -163,5 +166,10 @@ def audit_embedded(
             ctx.progress = progress
         with ctx.open():
             return run_audit(
-                [s.url for s in servers], ctx, engine="kvfence", checks=checks, on_result=on_result
+                [s.url for s in servers],
+                ctx,
+                engine="kvfence",
+                checks=checks,
+                on_result=on_result,
+                separate_targets=True,  # two process trees on loopback with nothing in common
             )

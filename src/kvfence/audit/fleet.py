@@ -14,6 +14,14 @@ incident fires on a *prefill* node's pool, and transfer failures count on
 - counters come from every node, decode included, keyed by node URL;
 - content checks go through the router URL (what a client sees).
 
+A worker's URL as the router lists it can carry the router's credential in
+its path (kvfence workers behind sglang-router: `/r/<secret>`), so a node is
+shown by its origin only (`NodeFacts.url`); the full URL (`endpoint`) is used
+to reach it and never reported. Node reads send no tenant key: the operator
+key where given (its /server_info and /metrics are operator data), else no
+key at all (what the worker tells its router). Only a count that needs a
+tenant's `/tokenize` (probe_length.py) sends a key to a worker, tenant B's.
+
 HTTP only, through clients charged to the audit's budget.
 """
 
@@ -22,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvfence.audit.base import Fact
 from kvfence.audit.client import ProbeClient
@@ -46,6 +55,17 @@ class Worker:
     worker_type: str
     bootstrap_port: int | None
     mode: str | None  # sglang-router: metadata.disaggregation_mode as the worker reported it
+
+    @property
+    def origin(self) -> str:
+        return origin(self.url)
+
+
+def origin(url: str) -> str:
+    """scheme://host:port only: a worker URL's path can be a router's credential."""
+    parts = urlsplit(url)
+    host = f"[{parts.hostname}]" if parts.hostname and ":" in parts.hostname else parts.hostname
+    return f"{parts.scheme}://{host}:{parts.port}" if parts.port else f"{parts.scheme}://{host}"
 
 
 def parse_workers(obj: Any) -> list[Worker] | None:
@@ -72,11 +92,12 @@ def parse_workers(obj: Any) -> list[Worker] | None:
     return out
 
 
-def sibling(client: ProbeClient, url: str) -> ProbeClient:
-    """A client for another node, same keys and the same budget (every GET is charged)."""
+def sibling(client: ProbeClient, url: str, *, tenant_key: bool = True) -> ProbeClient:
+    """A client for another node, same budget (every GET is charged); the tenant's key only
+    with `tenant_key` (a node read sends the operator key, or none)."""
     return ProbeClient(
         url,
-        api_key=client.api_key,
+        api_key=client.api_key if tenant_key else None,
         budget=client.budget,
         timeout_s=client.timeout_s,
         operator_key=client.operator_key,
@@ -132,12 +153,14 @@ class Fleet:
 
     def read_node(self, worker: Worker, routed: list[Sample] | None) -> NodeFacts:
         """One node: its own adapter where it answers, else the router's engine metrics."""
-        c = sibling(self.client, worker.url)
+        c = sibling(self.client, worker.url, tenant_key=False)
         try:
             ep = Endpoints(c)
             cls = next((a for a in self.adapters if a.identify(ep) is not None), None)
             if cls is not None:
-                facts = cls(worker.url, detected_by=f"router /workers; {cls.engine}").read_facts(c)
+                facts = cls(worker.origin, detected_by=f"router /workers; {cls.engine}").read_facts(
+                    c
+                )
                 return _node_from(worker, facts)
         except Exception as e:  # a node that cannot be read is reported, never assumed
             note = f"{type(e).__name__}: {e}"
@@ -154,12 +177,14 @@ class Fleet:
         pool = (
             Fact(int(min(pools)), f"{src} sglang_max_total_num_tokens{{worker_addr}} (min)", why)
             if pools
-            else Fact.unknown(f"GET {worker.url}/server_info; {src}", f"unreadable: {why}")
+            else Fact.unknown(f"GET {worker.origin}/server_info; {src}", f"unreadable: {why}")
         )
         types = {s.labels["engine_type"] for s in mine or [] if "engine_type" in s.labels}
         own = Fact(types.pop(), f"{src} engine_type label") if len(types) == 1 else None
-        node = NodeFacts(url=worker.url, role=_role(worker, own), pool_tokens=pool)
-        node.counters = self.counters_via_router(worker.url, mine)
+        node = NodeFacts(
+            url=worker.origin, role=_role(worker, own), pool_tokens=pool, endpoint=worker.url
+        )
+        node.counters = self.counters_via_router(worker.origin, mine)
         return node
 
     def counters_via_router(self, url: str, mine: list[Sample] | None) -> dict[str, Fact]:
@@ -177,8 +202,9 @@ class Fleet:
 
     def read_counters(self, node: NodeFacts) -> dict[str, Fact]:
         """A node's failure counters now (its own /metrics, else the router's)."""
+        endpoint = node.endpoint or node.url
         if node.reached:
-            c = sibling(self.client, node.url)
+            c = sibling(self.client, endpoint, tenant_key=False)
             try:
                 ep = Endpoints(c)
                 cls = next((a for a in self.adapters if a.identify(ep) is not None), None)
@@ -187,13 +213,14 @@ class Fleet:
             finally:
                 c.close()
         return self.counters_via_router(
-            node.url, engine_metrics_of(self.router_metrics(), node.url)
+            node.url, engine_metrics_of(self.router_metrics(), endpoint)
         )
 
 
 def _node_from(worker: Worker, facts: TargetFacts) -> NodeFacts:
     node = NodeFacts(
-        url=worker.url,
+        url=worker.origin,
+        endpoint=worker.url,
         role=_role(worker, facts.extra.get("pd_role")),
         pool_tokens=facts.pool_tokens,
         context_length=facts.context_length,

@@ -137,12 +137,18 @@ class Tally:
 
 
 class Load:
-    """Tenant A's concurrent traffic while B probes; stops when told."""
+    """Tenant A's concurrent traffic while B probes; stops when told.
+
+    `running` is set once A has finished as many requests as it has threads (or a
+    worker ended): from then on the pool holds A's data and every thread is sending, so
+    a B repeat that follows is under load, not racing the load's first request.
+    """
 
     def __init__(self, client: ProbeClient, cfg: NoninterferenceConfig, rng: random.Random) -> None:
         self.client, self.cfg = client, cfg
         self.seeds = [rng.getrandbits(32) for _ in range(cfg.load_concurrency)]
         self.stop = threading.Event()
+        self.running = threading.Event()
         self.lock = threading.Lock()
         self.sent = 0
         self.ok = 0
@@ -151,15 +157,22 @@ class Load:
     def worker(self, seed: int) -> None:
         rng = random.Random(seed)
         lo, hi = self.cfg.token_range
-        while not self.stop.is_set():
-            prompt = [rng.randrange(lo, hi) for _ in range(self.cfg.load_tokens)]
-            r = self.client.completion(prompt, max_tokens=self.cfg.load_max_tokens, temperature=1.0)
-            with self.lock:
-                self.sent += 1
-                if r.ok:
-                    self.ok += 1
-                elif len(self.failures) < 3:
-                    self.failures.append(r.brief())
+        try:
+            while not self.stop.is_set():
+                prompt = [rng.randrange(lo, hi) for _ in range(self.cfg.load_tokens)]
+                r = self.client.completion(
+                    prompt, max_tokens=self.cfg.load_max_tokens, temperature=1.0
+                )
+                with self.lock:
+                    self.sent += 1
+                    if r.ok:
+                        self.ok += 1
+                    elif len(self.failures) < 3:
+                        self.failures.append(r.brief())
+                    if self.sent >= self.cfg.load_concurrency:
+                        self.running.set()
+        finally:
+            self.running.set()  # a worker that ended (or crashed) is never waited for
 
     def to_json(self) -> dict[str, JSONValue]:
         return {"sent": self.sent, "ok": self.ok, "failures": self.failures}
@@ -217,6 +230,7 @@ class Probes:
         with ThreadPoolExecutor(max_workers=self.cfg.load_concurrency) as pool:
             futures = [pool.submit(load.worker, s) for s in load.seeds]
             try:
+                load.running.wait(timeout=ctx.request_timeout_s)
                 loaded = self.tally(ctx, "noninterference: under load")
             finally:
                 load.stop.set()

@@ -51,6 +51,13 @@ class RandomPrompts:
         self.decided = True
         if first.status != TOKEN_IDS_REFUSED or self.tokens_per_word is not None:
             return False
+        return self.to_text(client)
+
+    def to_text(self, client: ProbeClient) -> bool:
+        """Switch to words (a text-only route), sized from one sample; False: unsizeable."""
+        self.decided = True
+        if self.tokens_per_word is not None:
+            return True
         r = client.completion(random_words(self.rng, SAMPLE_WORDS), max_tokens=1)
         if not r.ok or r.prompt_tokens is None or r.prompt_tokens < 1:
             return False

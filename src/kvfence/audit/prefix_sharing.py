@@ -42,14 +42,22 @@ from kvfence.audit.base import (
     AuditContext,
     Check,
     CheckResult,
+    Fact,
     JSONValue,
     Plot,
     PlotSeries,
     Verdict,
     worst,
 )
-from kvfence.audit.prefix_trials import Arms, PrefixSharingConfig, TrialProbe, run_arms
-from kvfence.audit.stats import SequentialKS, SequentialResult
+from kvfence.audit.prefix_salt_routes import dropped_routes, salt_route_run
+from kvfence.audit.prefix_trials import (
+    Arms,
+    PrefixSharingConfig,
+    TrialProbe,
+    run_arms,
+    same_salt_trials,
+)
+from kvfence.audit.stats import SequentialResult
 from kvfence.audit.targets.base import Target, TargetFacts
 
 __all__ = ["Arms", "PrefixSharingCheck", "PrefixSharingConfig", "judge", "prefix_length"]
@@ -76,7 +84,10 @@ class PrefixSharingCheck(Check):
         rng = random.Random(ctx.rng.random())
         cache, salt = premises.prefix_cache(facts), premises.salt_support(facts)
         runs, not_run = premises.prefix_runs(self.config.salt, cache, salt, rng)
-        cfg = self._sized(ctx, len(runs))
+        dropped, _ = dropped_routes(facts)
+        on = dropped is not None and self.config.salt != "off"
+        routes = self.config.salt_routes if on else ()
+        cfg = self._sized(ctx, len(runs) + len(routes))
         probe = TrialProbe(cfg, rng, client_a, client_b, prefix_len)
         evidence: dict[str, JSONValue] = {
             "prefix_tokens": prefix_len,
@@ -94,15 +105,15 @@ class PrefixSharingCheck(Check):
             verdicts.append(v)
             summaries.append(f"{label}: {s}")
             plots.append(plot)
+        extra = _salt_routes(ctx, cfg, probe, (routes, dropped), evidence)  # after: prompts decided
+        verdicts += [Verdict(e["verdict"]) for e in extra.values()]
+        summaries += [f"salt within a tenant, {e['summary']}" for e in extra.values()]
         summaries += [f"{label}: not run — {why}" for label, why in not_run.items()]
         ran = [evidence[k] for k in ("unsalted", "salted") if k in evidence]
-        evidence["requests"] = sum(int(e["requests"]) for e in ran)
+        evidence["requests"] = sum(int(e["requests"]) for e in [*ran, *extra.values()])
         evidence["prompts"] = probe.prompts.described()
         out = self.result(target, worst(verdicts), "; ".join(summaries), evidence, plots)
-        adjusted = [e["ks"]["adjusted_p_value"] for e in ran if "ks" in e]
-        out.p_value = min(1.0, min(adjusted) * len(runs)) if adjusted else None
-        out.alpha = cfg.design.alpha * max(1, len(runs))
-        return out
+        return _with_alpha(out, ran, cfg, len(runs) + len(routes))
 
     def _sized(self, ctx: AuditContext, n_runs: int) -> PrefixSharingConfig:
         """The audit's share, split over the runs, in a design that can reach it."""
@@ -144,7 +155,7 @@ class PrefixSharingCheck(Check):
         cache: premises.Premise,
     ) -> tuple[Verdict, str, dict[str, JSONValue]]:
         """Same tenant, same salt must hit, else the salted pass proves nothing."""
-        own, result = _same_salt_trials(probe, salt_a, cfg)
+        own, result = same_salt_trials(probe, salt_a, cfg)
         hit_seen = bool(own.cross_hits) or (result is not None and result.rejected)
         info: dict[str, JSONValue] = {
             "requests": own.requests,
@@ -175,26 +186,38 @@ class PrefixSharingCheck(Check):
         )
 
 
-def _same_salt_trials(
-    probe: TrialProbe, salt_a: str | None, cfg: PrefixSharingConfig
-) -> tuple[Arms, SequentialResult | None]:
-    """A re-reads its own prefixes with its own salt ("B" is A here) until a hit shows."""
-    own = Arms()
-    test = SequentialKS(cfg.design)
-    result: SequentialResult | None = None
-    control = TrialProbe(cfg, probe.rng, probe.a, probe.a, probe.prefix_len)
-    control.prompts.like(probe.prompts)
-    while result is None and len(own.shared) < cfg.design.max_per_arm:
-        before = len(own.shared)
-        n = cfg.salt_control_trials if not own.shared else cfg.design.batch
-        for _ in range(n):
-            control.trial(own, salt_a, salt_a)
-        if own.cross_hits:
-            break  # cached_tokens shows the hit directly
-        if len(own.errors) > cfg.max_error_fraction * max(len(own.shared), 1) + 1:
-            break
-        result = test.add(own.shared[before:], own.fresh[before:])
-    return own, result
+def _with_alpha(
+    out: CheckResult, ran: list[JSONValue], cfg: PrefixSharingConfig, n_runs: int
+) -> CheckResult:
+    """The check's p-value and alpha: Bonferroni over the runs that split its share."""
+    n = max(1, n_runs)
+    adjusted = [e["ks"]["adjusted_p_value"] for e in ran if isinstance(e, dict) and "ks" in e]
+    out.p_value = min(1.0, min(adjusted) * n) if adjusted else None
+    out.alpha = cfg.design.alpha * n
+    return out
+
+
+def _salt_routes(
+    ctx: AuditContext,
+    cfg: PrefixSharingConfig,
+    probe: TrialProbe,
+    stated: tuple[tuple[str, ...], Fact | None],
+    evidence: dict[str, JSONValue],
+) -> dict[str, dict[str, JSONValue]]:
+    """Tenant A's own salts on each route, where a route is stated to drop the salt."""
+    routes, dropped = stated
+    by_route: dict[str, dict[str, JSONValue]] = {}
+    if dropped is None or not routes:
+        return by_route
+    for route in routes:
+        ctx.progress(f"prefix sharing (salt within a tenant, {route})", 0.0)
+        v, s, ev = salt_route_run(
+            cfg, probe.rng, probe.a, probe.prefix_len, probe.prompts, route, dropped
+        )
+        by_route[route] = {**ev, "verdict": v.value, "summary": s}
+    evidence["salt_within_tenant"] = dict(by_route)
+    evidence["cache_salt_dropped_on"] = dropped.to_json()
+    return by_route
 
 
 def _design(cfg: PrefixSharingConfig) -> dict[str, JSONValue]:

@@ -16,6 +16,8 @@ from kvfence.audit.client import ProbeClient, ProbeResponse
 from kvfence.audit.prefix_prompts import Pieces, RandomPrompts
 from kvfence.audit.stats import SequentialDesign, SequentialKS, SequentialResult
 
+ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
 
 @dataclass(frozen=True, slots=True)
 class PrefixSharingConfig:
@@ -30,6 +32,10 @@ class PrefixSharingConfig:
       cross-tenant hit (the timing test would only confirm it).
     - ``token_range``: token ids are drawn from [low, high): ids every
       tokenizer has and none is special.
+    - ``salt_routes``: where the target states a route drops ``cache_salt``
+      (a router in front), the routes on which tenant A's own salts are
+      tested (``prefix_salt_routes.py``); ``("completions",)`` for a
+      deployment that sends salts there only.
     """
 
     prefix_pages: int = 8
@@ -40,6 +46,7 @@ class PrefixSharingConfig:
         default_factory=lambda: SequentialDesign(alpha=1e-3, batch=8, max_per_arm=24)
     )
     salt: str = "auto"
+    salt_routes: tuple[str, ...] = ("completions", "chat")
     salt_control_trials: int = 4
     stop_on_cached_evidence: bool = True
     token_range: tuple[int, int] = (100, 500)
@@ -50,6 +57,8 @@ class PrefixSharingConfig:
             raise ValueError(f"salt must be auto, off or only, got {self.salt!r}")
         if self.prefix_pages < 1 or self.suffix_tokens < 1 or self.min_prefix_tokens < 1:
             raise ValueError("prefix_pages, suffix_tokens and min_prefix_tokens must be >= 1")
+        if not set(self.salt_routes) <= set(ROUTES):
+            raise ValueError(f"salt_routes must be among {', '.join(ROUTES)}")
         lo, hi = self.token_range
         if not 0 <= lo < hi:
             raise ValueError("token_range must be 0 <= low < high")
@@ -87,10 +96,14 @@ class TrialProbe:
         client_a: ProbeClient,
         client_b: ProbeClient,
         prefix_len: int,
+        route: str = "completions",
     ) -> None:
+        if route not in ROUTES:
+            raise ValueError(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
         self.cfg, self.rng = cfg, rng
         self.a, self.b = client_a, client_b
         self.prefix_len = prefix_len
+        self.route = route
         self.prompts = RandomPrompts(rng, cfg.token_range)  # ids, or words where ids are refused
 
     def prompt(self, n: int) -> Pieces:
@@ -98,6 +111,9 @@ class TrialProbe:
 
     def send(self, client: ProbeClient, prompt: Pieces, salt: str | None) -> ProbeResponse:
         extra = {"cache_salt": salt} if salt is not None else None
+        if self.route == "chat":  # text only: `prompts` is in text mode (prefix_prompts.py)
+            message = {"role": "user", "content": str(self.prompts.payload(prompt))}
+            return client.chat([message], max_tokens=1, stream=True, extra=extra)
         return client.ttft(self.prompts.payload(prompt), extra=extra)
 
     def trial(self, arms: Arms, salt_a: str | None, salt_b: str | None) -> None:
@@ -171,3 +187,25 @@ def run_arms(
         if result is not None:
             return arms, result
     return arms, test.result
+
+
+def same_salt_trials(
+    probe: TrialProbe, salt_a: str | None, cfg: PrefixSharingConfig
+) -> tuple[Arms, SequentialResult | None]:
+    """A re-reads its own prefixes with its own salt ("B" is A here) until a hit shows."""
+    own = Arms()
+    test = SequentialKS(cfg.design)
+    result: SequentialResult | None = None
+    control = TrialProbe(cfg, probe.rng, probe.a, probe.a, probe.prefix_len, route=probe.route)
+    control.prompts.like(probe.prompts)
+    while result is None and len(own.shared) < cfg.design.max_per_arm:
+        before = len(own.shared)
+        n = cfg.salt_control_trials if not own.shared else cfg.design.batch
+        for _ in range(n):
+            control.trial(own, salt_a, salt_a)
+        if own.cross_hits:
+            break  # cached_tokens shows the hit directly
+        if len(own.errors) > cfg.max_error_fraction * max(len(own.shared), 1) + 1:
+            break
+        result = test.add(own.shared[before:], own.fresh[before:])
+    return own, result

@@ -15,26 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 from kvfence.audit.base import JSONValue
 from kvfence.audit.client import ProbeClient, ProbeResponse
-from kvfence.audit.fleet import sibling
+from kvfence.audit.fleet import origin, sibling
 from kvfence.audit.prompts import Prompt, PromptMaker
 from kvfence.audit.targets.base import TargetFacts
 
 MAX_GROW_ROUNDS = 4
-
-
-def origin(url: str) -> str:
-    """scheme://host:port only: a worker URL's path can be a router's credential
-    (kvfence workers behind sglang-router are registered as /r/<secret>)."""
-    parts = urlsplit(url)
-    return (
-        f"{parts.scheme}://{parts.hostname}:{parts.port}"
-        if parts.port
-        else f"{parts.scheme}://{parts.hostname}"
-    )
 
 
 Counter = Callable[[str], "int | None"]
@@ -81,7 +69,7 @@ class TokenCounter:
         for node in facts.nodes:
             if not (node.reached and node.prefills):
                 continue
-            c = sibling(client, node.url)
+            c = sibling(client, node.url)  # its origin: a tenant route needs no router path
             c.model = client.model
             if c.tokenize("hello world"):
                 self.client = self._own = c

@@ -5,6 +5,16 @@ latency → prefix_sharing → counters (compare). Checks that are not part of
 this build are reported SKIPPED with a reason; a target whose engine cannot
 be identified gets INCONCLUSIVE for every check (fail closed).
 
+With `separate_targets=True` (the caller vouches that the targets are
+separate engines: no process, pool or cache in common, like the embedded
+demo's two server trees) the targets are audited concurrently where nothing
+is measured in time: detection, facts, capacity, boundary, canary and
+noninterference (verdicts read from status codes and texts) run on all
+targets at once; the timed checks (`TIMED_CHECKS`) then run on one target at
+a time with no other audit traffic, exactly as in the sequential order. Each
+target then has its own random generator (seeded with the run's seed) and
+its own request count, so its probes do not depend on the other threads.
+
 `audit_server(url, key_a, key_b)` is the hook for `kvfence audit` without
 `--target`: whoever starts the embedded server passes its URL and keys.
 """
@@ -12,8 +22,10 @@ be identified gets INCONCLUSIVE for every check (fail closed).
 from __future__ import annotations
 
 import importlib
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -29,6 +41,7 @@ from kvfence.audit.base import (
     worst,
 )
 from kvfence.audit.counters import CountersCheck
+from kvfence.audit.target_context import target_context
 from kvfence.audit.targets.base import Target
 from kvfence.audit.targets.registry import DetectionError, make_target
 
@@ -43,6 +56,9 @@ CHECK_MODULES: tuple[tuple[str, str], ...] = (
     ("counters", "counters"),
 )
 ALL_CHECKS: tuple[str, ...] = tuple(name for name, _ in CHECK_MODULES)
+# Checks whose statistic is a duration (TTFT): another target's traffic on the same cores
+# would be their noise, so they never overlap any other audit traffic.
+TIMED_CHECKS: tuple[str, ...] = ("latency", "prefix_sharing")
 
 
 class CheckUnavailable(Exception):
@@ -72,6 +88,19 @@ def load_check(name: str) -> Check:
         ):
             return obj()
     raise CheckUnavailable(f"kvfence.audit.{module_name} defines no check named {name!r}")
+
+
+def preload_checks(names: Sequence[str]) -> None:
+    """Import the modules of `names` now (scipy and the statistics, a second or more on a
+    busy machine), e.g. while the servers to audit start; one that fails to import is
+    reported by `load_check` when its turn comes (fail closed), not here."""
+    modules = dict(CHECK_MODULES)
+    for name in names:
+        if name in modules:
+            try:
+                importlib.import_module(f"kvfence.audit.{modules[name]}")
+            except ImportError:
+                continue
 
 
 def loaded_or_inconclusive(name: str, url: str) -> Check | CheckResult:
@@ -143,8 +172,13 @@ def run_audit(
     engine: str = "auto",
     checks: Sequence[str] = ALL_CHECKS,
     on_result: Callable[[CheckResult], None] | None = None,
+    separate_targets: bool = False,
 ) -> AuditRun:
-    """Run `checks` on every target in `urls`; every request bounded by `ctx.budget`."""
+    """Run `checks` on every target in `urls`; every request bounded by `ctx.budget`.
+
+    `separate_targets`: the targets share nothing (see the module docstring), so the
+    untimed checks of all targets run concurrently; results keep the sequential order.
+    """
     unknown = [name for name in checks if name not in ALL_CHECKS]
     if unknown:
         raise ValueError(f"unknown check {unknown[0]!r}; choose from {', '.join(ALL_CHECKS)}")
@@ -160,18 +194,16 @@ def run_audit(
         if on_result is not None:
             on_result(res)
 
-    for url in urls:
-        sent0 = ctx.budget.sent
-        summary, target = _resolve(url, engine, ctx)
-        summary.requests_sent = ctx.budget.sent - sent0
-        summaries.append(summary)
-        if target is None:
-            for name in ordered:
-                emit(
-                    _result(name, url, Verdict.INCONCLUSIVE, f"target not audited: {summary.error}")
-                )
-            continue
-        _audit_target(target, ordered, ctx, summary, emit)
+    if separate_targets and len(urls) > 1:
+        summaries, results = _audit_separate(urls, engine, ordered, ctx, on_result)
+    else:
+        for url in urls:
+            summary, target = _resolve_counted(url, engine, ctx)
+            summaries.append(summary)
+            if target is None:
+                _not_audited(summary, ordered, emit)
+                continue
+            _audit_target(target, ordered, ctx, summary, emit)
     return AuditRun(
         targets=summaries,
         results=results,
@@ -196,6 +228,24 @@ def _settings(engine: str, ctx: AuditContext) -> dict[str, JSONValue]:
     }
 
 
+def _resolve_counted(
+    url: str, engine: str, ctx: AuditContext
+) -> tuple[TargetSummary, Target | None]:
+    sent0 = ctx.budget.sent
+    summary, target = _resolve(url, engine, ctx)
+    summary.requests_sent = ctx.budget.sent - sent0
+    return summary, target
+
+
+def _not_audited(
+    summary: TargetSummary, ordered: tuple[str, ...], emit: Callable[[CheckResult], None]
+) -> None:
+    for name in ordered:
+        emit(
+            _result(name, summary.url, Verdict.INCONCLUSIVE, f"target not audited: {summary.error}")
+        )
+
+
 def _resolve(url: str, engine: str, ctx: AuditContext) -> tuple[TargetSummary, Target | None]:
     client = ctx.client_for_url(url, "a")
     try:
@@ -214,6 +264,16 @@ def _audit_target(
     summary: TargetSummary,
     emit: Callable[[CheckResult], None],
 ) -> None:
+    counters = _prepare_target(target, ordered, ctx, summary)
+    _run_checks(target, ordered, ctx, counters, emit)
+    ctx.progress(f"{target.url}: done", 1.0)
+
+
+def _prepare_target(
+    target: Target, ordered: tuple[str, ...], ctx: AuditContext, summary: TargetSummary
+) -> Check | CheckResult | None:
+    """Facts, the B client's configuration and the counter snapshot; returns the counters
+    check (snapshot taken) or what stands for it."""
     sent0 = ctx.budget.sent
     try:
         summary.facts = target.facts(ctx.client(target, "a")).to_json()
@@ -227,14 +287,73 @@ def _audit_target(
         except Exception as e:
             summary.error = f"counter snapshot failed: {type(e).__name__}: {e}"
     summary.requests_sent += ctx.budget.sent - sent0
-    for i, name in enumerate(ordered):
-        ctx.progress(f"{target.url}: {name}", i / len(ordered))
+    return counters
+
+
+def _run_checks(
+    target: Target,
+    names: tuple[str, ...],
+    ctx: AuditContext,
+    counters: Check | CheckResult | None,
+    emit: Callable[[CheckResult], None],
+) -> None:
+    for i, name in enumerate(names):
+        ctx.progress(f"{target.url}: {name}", i / len(names))
         check = counters if name == "counters" else loaded_or_inconclusive(name, target.url)
         if isinstance(check, CheckResult):
             emit(check)  # fail closed: a check that cannot run is not a skip
         elif check is not None:
             emit(run_check(check, ctx, target))
-    ctx.progress(f"{target.url}: done", 1.0)
+
+
+def _audit_separate(
+    urls: Sequence[str],
+    engine: str,
+    ordered: tuple[str, ...],
+    ctx: AuditContext,
+    on_result: Callable[[CheckResult], None] | None,
+) -> tuple[list[TargetSummary], list[CheckResult]]:
+    """Untimed checks on every target at once, then the timed ones one target at a time,
+    then the counters; the results come back in the sequential order (target, check)."""
+    contexts = [target_context(ctx) for _ in urls]
+    lock = threading.Lock()
+    results: list[CheckResult] = []
+
+    def keep(res: CheckResult) -> None:
+        with lock:
+            results.append(res)
+            if on_result is not None:
+                on_result(res)
+
+    untimed = tuple(n for n in ordered if n not in TIMED_CHECKS and n != "counters")
+    timed = tuple(n for n in ordered if n in TIMED_CHECKS)
+    last = ("counters",) if "counters" in ordered else ()
+
+    def first_phase(i: int) -> tuple[TargetSummary, Target | None, Check | CheckResult | None]:
+        summary, target = _resolve_counted(urls[i], engine, contexts[i])
+        if target is None:
+            _not_audited(summary, ordered, keep)
+            return summary, None, None
+        counters = _prepare_target(target, ordered, contexts[i], summary)
+        _run_checks(target, untimed, contexts[i], counters, keep)
+        return summary, target, counters
+
+    try:
+        with ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="audit-target") as pool:
+            phase = list(pool.map(first_phase, range(len(urls))))
+        for (_, target, counters), own in zip(phase, contexts, strict=True):
+            if target is not None:  # nothing else of the audit's runs beside a timed check
+                _run_checks(target, timed, own, counters, keep)
+        for (_, target, counters), own in zip(phase, contexts, strict=True):
+            if target is not None:
+                _run_checks(target, last, own, counters, keep)
+                own.progress(f"{target.url}: done", 1.0)
+    finally:
+        for own in contexts:
+            own.close()
+    rank = {url: i for i, url in enumerate(urls)}
+    results.sort(key=lambda r: (rank.get(r.target, len(urls)), ordered.index(r.check)))
+    return [summary for summary, _, _ in phase], results
 
 
 def _result(name: str, url: str, verdict: Verdict, summary: str) -> CheckResult:

@@ -9,7 +9,6 @@ failing gate exits 1 with the gate's message on stderr.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from kvfence.model.config import MODEL_KINDS
 from kvfence.model.tiny import PRESETS, default_checkpoint_dir
 from kvfence.serve.config import Capacity, ServeConfig
 from kvfence.serve.pd.cli import pd_main
-from kvfence.serve.pd.spec import CROSS_PROCESS, WorkerSpec
+from kvfence.serve.pd.spec import CROSS_PROCESS, WorkerSpec, is_loopback
 from kvfence.serve.pool_sizing import DEFAULT_KV_FRACTION, PoolSizes, gate_fix_hint
 from kvfence.serve.tenants import TenantFileError, TenantRegistry
 
@@ -58,15 +57,6 @@ def parse_per_role(value: str | None, option: str) -> tuple[int | None, int | No
         raise click.BadParameter(
             f"{value!r}: give N (both roles) or prefill=N,decode=M", param_hint=option
         ) from None
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @click.command()
@@ -163,7 +153,7 @@ def _is_loopback(host: str) -> bool:
 @click.option(
     "--disaggregated",
     is_flag=True,
-    help="router + prefill + decode workers as separate processes on loopback",
+    help="sglang-router (PD mode) + prefill + decode workers as separate processes on loopback",
 )
 @click.option("--prefill", "n_prefill", type=click.IntRange(1), default=1, show_default=True)
 @click.option("--decode", "n_decode", type=click.IntRange(1), default=1, show_default=True)
@@ -194,9 +184,9 @@ def _is_loopback(host: str) -> bool:
     "--router",
     "pd_router",
     type=click.Choice(["kvfence", "sglang"]),
-    default="kvfence",
-    show_default=True,
-    help="the PD router in front: kvfence's own, or SGLang's sglang-router (the sglang extra)",
+    default=None,
+    help="the PD router in front: SGLang's sglang-router (the default of --disaggregated; "
+    "the pd extra) or kvfence's own hub (the default of --role)",
 )
 @click.option(
     "--bootstrap-port",
@@ -250,7 +240,7 @@ def serve(
     prefill_addr: tuple[str, ...],
     decode_addr: tuple[str, ...],
     kv_host: str,
-    pd_router: str,
+    pd_router: str | None,
     bootstrap_port: int,
     router_secret_file: Path | None,
     torch_threads: int,
@@ -269,7 +259,7 @@ def serve(
         model_dir = default_checkpoint_dir(preset=preset)
     params = click.get_current_context().params
     if disaggregated or role is not None:
-        sys.exit(pd_main(params, faults, tenants, model_dir, _announce))
+        sys.exit(pd_main(params, faults, tenants, model_dir, announce))
     if torch_threads:
         import torch
 
@@ -300,7 +290,7 @@ def _serve_local(
     )
     sock = bind(params["host"], params["port"])
     url = url_of(sock)
-    _announce(url, tenants, parts.config.model_name, capacity.report.message())
+    announce(url, tenants, parts.config.model_name, capacity.report.message())
     parts.pipeline.start()
     try:
         serve_forever(app, sock, log_level=params["log_level"])
@@ -358,7 +348,7 @@ def _tenants(
     if no_auth:
         if path is not None or operator_keys:
             raise click.UsageError("--no-auth excludes --tenants and --operator-key")
-        if not _is_loopback(host):
+        if not is_loopback(host):
             raise click.UsageError("--no-auth is only allowed on a loopback host")
         return TenantRegistry.dev()
     if path is None:
@@ -374,7 +364,8 @@ def _tenants(
         raise click.BadParameter(str(e), param_hint="--operator-key") from None
 
 
-def _announce(url: str, tenants: TenantRegistry, model: str, gate: str) -> None:
+def announce(url: str, tenants: TenantRegistry, model: str, gate: str) -> None:
+    """The lines a server prints once it listens: gate verdict, URL, keys, a curl to try."""
     click.echo(gate)
     click.echo(f"kvfence serving {model} at {url}  (OpenAI base URL: {url}/v1)")
     if tenants.auth == "none":

@@ -94,7 +94,9 @@ class PoolSizes:
         why = f"room for {DEFAULT_CONTEXTS} contexts x headroom {headroom:g}, at least 64 MiB"
         if available is not None and int(available * self.memory_fraction) < want:
             want = int(available * self.memory_fraction)
-            why = f"capped at {self.memory_fraction:.0%} of {available / _GIB:.1f} GiB available"
+            why = (
+                f"capped at {self.memory_fraction * 100:g}% of {available / _GIB:.1f} GiB available"
+            )
         # At least one page: an engine with no pool cannot start; the gate says what is short.
         n = max(1, pool_from_budget(geometry, MemoryBudget(kv_bytes=want)).num_pages)
         tokens = n * geometry.page_size

@@ -4,19 +4,26 @@
 children. If any child exits, or the parent gets Ctrl-C / SIGTERM, every
 other child is stopped too (SIGTERM, then SIGKILL after a grace period), and
 the parent says which child ended and how. No orphan keeps a port or a
-shared-memory segment.
+shared-memory segment, not even when the parent is SIGKILLed and runs no clean-up of its
+own: every child is started by `spawn`, which asks the kernel to send it SIGTERM when its
+parent dies (Linux `PR_SET_PDEATHSIG`; SIGTERM so a worker still closes its sockets and
+unlinks its segments).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import IO
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -24,6 +31,41 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def parent_death_hook(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A `preexec_fn` that arms `sig` for the child when this process dies; None off Linux.
+
+    The kernel sends the signal when the *thread* that forked the child ends, not only the
+    process: start children from the thread that also stops them (the supervisor's own, as
+    `Supervisor.run_until_done` and `with Stack(...)` do). The parent may die between the
+    fork and the prctl, when no signal would ever come: the child then checks that its
+    parent is still the process that forked it, and exits if not."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before the fork, not in the child
+    parent = os.getpid()
+
+    def arm() -> None:
+        if prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:  # orphaned already: reparented before the prctl
+            os._exit(1)
+
+    return arm
+
+
+def spawn(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    stdout: IO[bytes] | int | None = None,
+    stderr: IO[bytes] | int | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start a child that ends when this process ends, however it ends (SIGKILL included)."""
+    return subprocess.Popen(
+        list(argv), env=env, stdout=stdout, stderr=stderr, preexec_fn=parent_death_hook()
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +84,7 @@ class Supervisor:
     def start(self) -> None:
         for spec in self.children:
             env = {**os.environ, **dict(spec.env)}
-            self.procs[spec.name] = subprocess.Popen(list(spec.argv), env=env)
+            self.procs[spec.name] = spawn(spec.argv, env=env)
 
     def first_exit(self, poll_s: float = 0.2) -> tuple[str, int]:
         """Block until some child exits; return its name and exit code."""

@@ -52,6 +52,9 @@ class NodeFacts:
     counters: dict[str, Fact] = field(default_factory=dict)
     extra: dict[str, Fact] = field(default_factory=dict)
     reached: bool = False
+    # Where the audit reaches the node: the router's URL for it, whose path can be the
+    # router's credential (/r/<secret>). Never shown: `url` is its origin.
+    endpoint: str = field(default="", repr=False)
 
     @property
     def prefills(self) -> bool:

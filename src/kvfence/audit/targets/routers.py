@@ -36,6 +36,8 @@ from kvfence.audit.targets.kvfence import KvfenceTarget
 from kvfence.audit.targets.sglang import SglangTarget, is_router_info
 from kvfence.audit.targets.vllm import VllmTarget
 
+SALT_DROPPED = "cache_salt_dropped_on"  # read by the prefix-sharing check (prefix_salt_routes.py)
+
 
 def _smallest(nodes: list[NodeFacts], name: str, which: str) -> Fact:
     facts = [(getattr(n, name), n.url) for n in nodes]
@@ -55,6 +57,8 @@ class RouterTarget(Target):
     worker_adapters: ClassVar[tuple[type[Target], ...]] = ()
     # What the router does with a request's cache_salt on its way to the workers.
     forwards_salt: ClassVar[str | None] = None
+    # The routes on which the router drops cache_salt (comma-separated paths), if any.
+    drops_salt_on: ClassVar[str | None] = None
 
     def read_facts(self, client: ProbeClient) -> TargetFacts:
         fleet = Fleet(client, self.worker_adapters)
@@ -82,12 +86,15 @@ class RouterTarget(Target):
             facts.extra["max_input_most"] = most
         facts.prefix_caching = _any_caches(facts.nodes)
         facts.cache_salt_supported = self._salt(facts.nodes)
+        if self.drops_salt_on is not None:
+            note = self.forwards_salt or ""
+            facts.extra[SALT_DROPPED] = Fact(self.drops_salt_on, self.engine, note)
         facts.tokenizer = tokenizer_fact(client)
         facts.counters = {f"{n.url} {k}": v for n in facts.nodes for k, v in n.counters.items()}
         facts.extra["workers"] = Fact(
             len(workers),
             "router GET /workers",
-            ", ".join(f"{w.url} ({w.worker_type})" for w in workers),
+            ", ".join(f"{w.origin} ({w.worker_type})" for w in workers),
         )
         return facts
 
@@ -145,6 +152,7 @@ class SglangRouterTarget(RouterTarget):
         "sglang-router 0.3.2 forwards cache_salt on /v1/completions (seen live); "
         "it drops it on /v1/chat/completions and /generate (seen live)"
     )
+    drops_salt_on: ClassVar[str | None] = "/v1/chat/completions,/generate"
 
     @classmethod
     def identify(cls, endpoints: Endpoints) -> str | None:

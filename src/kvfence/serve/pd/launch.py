@@ -4,19 +4,21 @@
 child processes on loopback, supervised together (one dies -> all stop, with
 a message naming it). `kvfence serve --role router|prefill|decode` runs one
 role for a multi-host deployment; the addresses say where the others are
-(the router role is `router_role.py`, the workers `workers.py`, started from the
-`WorkerSpec` built here by `worker_entry.py`).
+(the router role is `router_role.py`, the workers `workers.py`). Here each child's spec
+(`WorkerSpec`, `RouterSpec`) is built once and written as a file its entry validates
+(`worker_entry.py`, `router_entry.py`); no role's options go back through argv.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfence.serve.pd.spec import WorkerSpec, write_worker_spec
+from kvfence.serve.pd.spec import RouterSpec, WorkerSpec, write_spec
 from kvfence.serve.supervisor import ChildSpec, Supervisor, free_port
 from kvfence.serve.tenants import TenantRegistry
 
@@ -40,14 +42,11 @@ class Loopback:
             tuple(f"{loop}:{free_port()}" for _ in range(n_decode)),
         )
 
-    def peer_args(self) -> list[str]:
-        return [x for a in self.prefill for x in ("--prefill-addr", a)] + [
-            x for a in self.decode for x in ("--decode-addr", a)
-        ]
-
 
 # Builds a worker's spec from its role, its inbox and the router's inbox.
 WorkerSpecFor = Callable[[str, str, str], WorkerSpec]
+# Builds the router's spec from the control addresses picked on loopback.
+RouterSpecFor = Callable[[Loopback], RouterSpec]
 
 
 def worker_children(spec_for: WorkerSpecFor, addrs: Loopback, spec_dir: Path) -> list[ChildSpec]:
@@ -56,42 +55,40 @@ def worker_children(spec_for: WorkerSpecFor, addrs: Loopback, spec_dir: Path) ->
     for role, inboxes in (("prefill", addrs.prefill), ("decode", addrs.decode)):
         for i, inbox in enumerate(inboxes):
             path = spec_dir / f"{role}-{i}.json"
-            write_worker_spec(spec_for(role, inbox, addrs.router), path)
+            write_spec(spec_for(role, inbox, addrs.router), path)
             argv = (sys.executable, "-m", "kvfence.serve.pd.worker_entry", str(path))
             children.append(ChildSpec(f"{role}-{i}", argv))
     return children
 
 
-def router_child(
-    router_args: Sequence[str], addrs: Loopback, host: str, port: int, tenants_file: Path | None
-) -> ChildSpec:
-    """The router's argv. `tenants_file` None is the dev mode: the router gets `--no-auth` and
-    checks the loopback rule itself (a keyless registry has no file form, so none is written)."""
-    where = ["--inbox", addrs.router, *addrs.peer_args(), "--host", host, "--port", str(port)]
-    argv = (sys.executable, "-m", "kvfence", "serve", "--role", "router", *where)
-    auth = ("--no-auth",) if tenants_file is None else ("--tenants", str(tenants_file))
-    return ChildSpec("router", (*argv, *auth, *router_args))
+def router_child(spec: RouterSpec, tenants: TenantRegistry, spec_dir: Path) -> ChildSpec:
+    """The router child, handed its spec as a file like the workers. A keyless dev registry
+    has no file form: the spec then says `no_auth` and the router checks the loopback rule
+    itself; any other registry is written beside the spec, readable by the owner only."""
+    if tenants.auth == "none":
+        spec = dataclasses.replace(spec, tenants_file=None, no_auth=True)
+    else:
+        tenants_file = spec_dir / "tenants.json"
+        tenants_file.touch(mode=0o600)
+        tenants_file.write_text(tenants.to_json())
+        spec = dataclasses.replace(spec, tenants_file=str(tenants_file), no_auth=False)
+    path = spec_dir / "router.json"
+    write_spec(spec, path)
+    return ChildSpec("router", (sys.executable, "-m", "kvfence.serve.pd.router_entry", str(path)))
 
 
 def run_disaggregated(
     spec_for: WorkerSpecFor,
+    router_for: RouterSpecFor,
     *,
     n_prefill: int,
     n_decode: int,
-    host: str,
-    port: int,
     tenants: TenantRegistry,
-    router_args: Sequence[str] = (),
 ) -> int:
     """Supervise every role (workers first, the router last); Ctrl-C or any role's exit stops
-    them all."""
+    them all. Every spec is built and validated before the first child starts."""
     addrs = Loopback.pick(n_prefill, n_decode)
     with tempfile.TemporaryDirectory(prefix="kvfence-pd-") as tmp:
-        tenants_file: Path | None = None
-        if tenants.auth != "none":
-            tenants_file = Path(tmp) / "tenants.json"
-            tenants_file.touch(mode=0o600)
-            tenants_file.write_text(tenants.to_json())
-        children = worker_children(spec_for, addrs, Path(tmp))
-        children.append(router_child(router_args, addrs, host, port, tenants_file))
+        router = router_child(router_for(addrs), tenants, Path(tmp))
+        children = [*worker_children(spec_for, addrs, Path(tmp)), router]
         return Supervisor(children).run_until_done()

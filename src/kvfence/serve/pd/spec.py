@@ -1,22 +1,28 @@
-"""What one PD worker process needs, torch-free: the CLI and the supervisor build it without
-loading a model or a transport (tests/test_cli_lazy.py).
+"""What each PD process needs, torch-free: the CLI and the supervisor build it without
+loading a model, a transport or the web stack (tests/test_cli_lazy.py).
 
-The `--disaggregated` supervisor builds each worker's `WorkerSpec` once and hands it over as
-one JSON document (`write_worker_spec`); the worker validates every field on receipt
-(`read_worker_spec`) with the same strict rules as a control message, and refuses a document
-of another type or version before it loads anything.
+The `--disaggregated` supervisor builds each worker's `WorkerSpec` and the router's
+`RouterSpec` once and hands each over as one JSON document (`write_spec`); the child
+validates every field on receipt (`read_spec`) with the same strict rules as a control
+message, and refuses a document of another type or version before it loads or binds
+anything. `kvfence serve --role …` builds the same specs from its options.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from kvfence.engine.config import EngineConfig, default_of
 from kvfence.engine.messages import build_checked
+from kvfence.faults import FaultSet
 from kvfence.kv.scrub import ScrubPolicy
+from kvfence.model.config import ModelConfig
+from kvfence.serve.config import ServeConfig
 from kvfence.serve.pool_sizing import DEFAULT_KV_FRACTION
 
 # Every registered transport but the in-process one joins two processes (mooncake and nixl
@@ -60,47 +66,147 @@ class WorkerSpec:
             raise ValueError(f"torch_threads must be >= 0, got {self.torch_threads}")
 
 
-SPEC_TYPE = "kvfence.WorkerSpec"
+# uvicorn's names for its log levels (serve/thread.py hands the router's straight to it).
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSpec:
+    """Everything the router process needs; built from `kvfence serve --role router` options,
+    or by the `--disaggregated` supervisor for its router child."""
+
+    model_dir: str
+    inbox: str  # the router's control inbox, which the workers report to
+    prefill: tuple[str, ...]  # the prefill workers' control inboxes
+    decode: tuple[str, ...]
+    host: str  # where the public API listens
+    port: int
+    transport: str
+    context_length: int | None = None
+    headroom: float = default_of(ServeConfig, "headroom")
+    allow_undersized_pool: bool = False
+    faults: tuple[str, ...] = ()
+    default_max_tokens: int = default_of(ServeConfig, "default_max_tokens")
+    scrub_policy: str = default_of(ServeConfig, "scrub_policy")
+    prefix_cache: bool = True
+    shared_prefix_cache: bool = False
+    log_level: str = "warning"
+    request_log: str | None = None
+    tenants_file: str | None = None  # the tenant registry, as `--tenants` reads it
+    no_auth: bool = False  # dev mode: one tenant, no keys (loopback hosts only)
+
+    def __post_init__(self) -> None:
+        for name, value in (("prefill", self.prefill), ("decode", self.decode)):
+            if not value:
+                raise ValueError(f"RouterSpec.{name} needs at least one {name} worker's address")
+        if self.transport not in CROSS_PROCESS:
+            raise ValueError(
+                f"RouterSpec.transport is one of {', '.join(CROSS_PROCESS)}, got {self.transport!r}"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"RouterSpec.port must be in 0..65535, got {self.port}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(
+                f"RouterSpec.log_level is one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
+            )
+        if self.scrub_policy not in {p.value for p in ScrubPolicy}:
+            raise ValueError(f"RouterSpec.scrub_policy: unknown policy {self.scrub_policy!r}")
+        FaultSet.parse(self.faults)  # an unknown switch names itself and the known ones
+        self._check_auth()
+
+    def _check_auth(self) -> None:
+        if self.no_auth and self.tenants_file is not None:
+            raise ValueError("RouterSpec.no_auth excludes RouterSpec.tenants_file")
+        if self.no_auth and not is_loopback(self.host):
+            raise ValueError(
+                f"RouterSpec.no_auth (dev mode) is only allowed on a loopback host, "
+                f"got host {self.host!r}"
+            )
+
+    def serve_config(self) -> ServeConfig:
+        """The router's config, with the model's facts read from its config.json."""
+        config = ModelConfig.from_file(Path(self.model_dir) / "config.json")
+        return ServeConfig(
+            model_name=Path(self.model_dir).name,
+            context_length=self.context_length or config.max_position_embeddings,
+            vocab_size=config.vocab_size,
+            headroom=self.headroom,
+            allow_undersized_pool=self.allow_undersized_pool,
+            faults=FaultSet.parse(self.faults),
+            default_max_tokens=self.default_max_tokens,
+            scrub_policy=self.scrub_policy,
+            transport=self.transport,
+            disaggregated=True,
+            prefix_cache=self.prefix_cache,
+            shared_prefix_cache=self.shared_prefix_cache,
+        )
+
+
 SPEC_VERSION = 1
+EXIT_BAD_SPEC = 2  # a child whose spec does not validate ends with this, before it binds
+Spec = TypeVar("Spec", WorkerSpec, RouterSpec)
 
 
 class SpecError(ValueError):
-    """A worker spec that is unreadable, of another type or version, or has a bad field."""
+    """A spec that is unreadable, of another type or version, or has a bad field."""
 
 
-def encode_worker_spec(spec: WorkerSpec) -> str:
+def _what(cls: type) -> str:
+    return f"{cls.__name__.removesuffix('Spec').lower()} spec"  # "worker spec"
+
+
+def encode_spec(spec: WorkerSpec | RouterSpec) -> str:
+    kind = f"kvfence.{type(spec).__name__}"
     return json.dumps(
-        {"type": SPEC_TYPE, "version": SPEC_VERSION, "body": dataclasses.asdict(spec)}, indent=2
+        {"type": kind, "version": SPEC_VERSION, "body": dataclasses.asdict(spec)}, indent=2
     )
 
 
-def decode_worker_spec(raw: str) -> WorkerSpec:
+def decode_spec(cls: type[Spec], raw: str) -> Spec:
+    what, kind = _what(cls), f"kvfence.{cls.__name__}"
     try:
         obj = json.loads(raw)
     except (ValueError, RecursionError) as e:
-        raise SpecError(f"not a JSON worker spec: {e}") from None
+        raise SpecError(f"not a JSON {what}: {e}") from None
     if not isinstance(obj, dict) or set(obj) != {"type", "version", "body"}:
-        raise SpecError("a worker spec is an object with exactly 'type', 'version' and 'body'")
-    if obj["type"] != SPEC_TYPE or obj["version"] != SPEC_VERSION:
+        raise SpecError(f"a {what} is an object with exactly 'type', 'version' and 'body'")
+    if obj["type"] != kind or obj["version"] != SPEC_VERSION:
         raise SpecError(
-            f"expected {SPEC_TYPE} version {SPEC_VERSION}, got {obj['type']!r} "
+            f"expected {kind} version {SPEC_VERSION}, got {obj['type']!r} "
             f"version {obj['version']!r}"
         )
     try:
-        return build_checked(WorkerSpec, obj["body"])
-    except ValueError as e:  # MessageError or WorkerSpec's own checks
-        raise SpecError(f"bad worker spec: {e}") from None
+        return build_checked(cls, obj["body"])
+    except ValueError as e:  # MessageError or the spec's own checks
+        raise SpecError(f"bad {what}: {e}") from None
 
 
-def write_worker_spec(spec: WorkerSpec, path: Path) -> None:
-    """Readable by the owner only: the spec names the role's addresses."""
+def write_spec(spec: WorkerSpec | RouterSpec, path: Path) -> None:
+    """Readable by the owner only: a spec names the role's addresses and files."""
     path.touch(mode=0o600)
-    path.write_text(encode_worker_spec(spec))
+    path.write_text(encode_spec(spec))
 
 
-def read_worker_spec(path: Path) -> WorkerSpec:
+def read_spec(cls: type[Spec], path: Path) -> Spec:
     try:
         raw = path.read_text()
     except OSError as e:
-        raise SpecError(f"cannot read the worker spec {path}: {e}") from None
-    return decode_worker_spec(raw)
+        raise SpecError(f"cannot read the {_what(cls)} {path}: {e}") from None
+    return decode_spec(cls, raw)
+
+
+def spec_from_argv(cls: type[Spec], argv: list[str]) -> Spec:
+    """A child entry's one argument, its spec file, read and validated."""
+    if len(argv) != 1:
+        entry = _what(cls).split()[0] + "_entry"
+        raise SpecError(f"usage: python -m kvfence.serve.pd.{entry} SPEC.json")
+    return read_spec(cls, Path(argv[0]))

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
-from kvfence.serve.pd.spec import SpecError, WorkerSpec, read_worker_spec
-
-EXIT_BAD_SPEC = 2
+from kvfence.serve.pd.spec import EXIT_BAD_SPEC, SpecError, WorkerSpec, spec_from_argv
 
 
 def set_torch_threads(n: int) -> None:
@@ -41,11 +38,8 @@ def run_worker_process(spec: WorkerSpec) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m kvfence.serve.pd.worker_entry SPEC.json", file=sys.stderr)
-        return EXIT_BAD_SPEC
     try:
-        spec = read_worker_spec(Path(argv[0]))
+        spec = spec_from_argv(WorkerSpec, argv)
     except SpecError as e:
         print(f"kvfence worker: {e}", file=sys.stderr)
         return EXIT_BAD_SPEC

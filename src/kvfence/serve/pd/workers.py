@@ -23,6 +23,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 
@@ -42,6 +43,7 @@ from kvfence.engine.messages import (
 )
 from kvfence.engine.prefill import OutboundTransfer, PrefillEngine
 from kvfence.faults import FaultSet
+from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import KVPool, PageHandle, ScrubPolicy
 from kvfence.model.loader import LoadedModel, load_model
 from kvfence.serve.channel import Inbox, Outbox, Waker
@@ -83,6 +85,23 @@ def engine_config(spec: WorkerSpec, loaded: LoadedModel) -> EngineConfig:
         shared_prefix_namespace=spec.shared_prefix_namespace,
         eos_token_ids=loaded.tokenizer.eos_ids,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class RoleSetUp:
+    """What either role builds from its spec before its pool: the model, the lab's switches,
+    the engine config (this role's pool sized) and the page shape."""
+
+    loaded: LoadedModel
+    faults: FaultSet
+    config: EngineConfig
+    geometry: KVGeometry
+
+    @classmethod
+    def of(cls, spec: WorkerSpec) -> RoleSetUp:
+        loaded = load_model(spec.model_dir, kind=spec.model_kind)
+        geometry = loaded.config.kv_geometry(page_size=spec.page_size)
+        return cls(loaded, FaultSet.parse(spec.faults), engine_config(spec, loaded), geometry)
 
 
 class _Stop:
@@ -171,12 +190,11 @@ class PrefillWorker:
     role = "prefill"
 
     def __init__(self, spec: WorkerSpec) -> None:
-        loaded = load_model(spec.model_dir, kind=spec.model_kind)
-        faults = FaultSet.parse(spec.faults)
-        config = engine_config(spec, loaded)
-        geometry = loaded.config.kv_geometry(page_size=spec.page_size)
-        self.pool = KVPool(geometry, config.prefill_pages, scrub=config.scrub, faults=faults)
-        self.engine = PrefillEngine(loaded.model, self.pool, config, faults)
+        s = RoleSetUp.of(spec)
+        self.pool = KVPool(
+            s.geometry, s.config.prefill_pages, scrub=s.config.scrub, faults=s.faults
+        )
+        self.engine = PrefillEngine(s.loaded.model, self.pool, s.config, s.faults)
         self.transport = get_transport(spec.transport)
         self.control = _Control(spec, [PrefillWork, Abort])
         self.senders = Senders(self.transport)  # one per decode KV address
@@ -240,16 +258,15 @@ class DecodeWorker:
     role = "decode"
 
     def __init__(self, spec: WorkerSpec) -> None:
-        loaded = load_model(spec.model_dir, kind=spec.model_kind)
-        faults = FaultSet.parse(spec.faults)
-        config = engine_config(spec, loaded)
-        geometry = loaded.config.kv_geometry(page_size=spec.page_size)
+        s = RoleSetUp.of(spec)
         transport = get_transport(spec.transport, host=spec.kv_host)
         self.pool = transport.create_pool(
-            geometry, config.decode_pages, scrub=config.scrub, faults=faults
+            s.geometry, s.config.decode_pages, scrub=s.config.scrub, faults=s.faults
         )
         self.receiver = transport.receiver(self.pool)
-        self.engine = DecodeEngine(loaded.model, self.pool, config, faults, inbound=self.receiver)
+        self.engine = DecodeEngine(
+            s.loaded.model, self.pool, s.config, s.faults, inbound=self.receiver
+        )
         self.control = _Control(spec, [Bootstrap, Abort, TransferDone])
         self.receiver.notify(self.control.waker.set)  # a landed transfer is decoded at once
         self.transfer_failures = 0

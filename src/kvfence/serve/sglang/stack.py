@@ -12,6 +12,7 @@ naming which ended (serve/supervisor.py).
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from typing import Any
 import httpx
 
 from kvfence.serve.sglang.gate import router_url
-from kvfence.serve.supervisor import Supervisor, free_port
+from kvfence.serve.supervisor import Supervisor, free_port, spawn
 
 ANNOUNCE = "KVFENCE_SGLANG_WORKER "  # worker.ANNOUNCE (kept torch-free here)
 
@@ -45,6 +46,7 @@ class StackSpec:
     port: int = 0  # the router's public port; 0 = a free one
     router_args: tuple[str, ...] = ()
     startup_timeout_s: float = 180.0
+    worker_env: tuple[tuple[str, str], ...] = ()  # extra environment for the workers (lab hooks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +88,7 @@ class Stack:
         roles = ["prefill"] * self.spec.n_prefill + ["decode"] * self.spec.n_decode
         names = [f"{r}-{i}" for i, r in enumerate(roles)]
         for name, role in zip(names, roles, strict=True):
-            self._spawn(name, self._worker_argv(role, secret_file))
+            self._spawn(name, self._worker_argv(role, secret_file), dict(self.spec.worker_env))
         deadline = time.monotonic() + self.spec.startup_timeout_s
         self.workers = [self._announced(n, r, deadline) for n, r in zip(names, roles, strict=True)]
         port = self.spec.port or free_port(self.spec.host)
@@ -142,9 +144,10 @@ class Stack:
         argv += ["--prometheus-host", self.spec.host, "--prometheus-port", str(free_port())]
         return [*argv, *self.spec.router_args]
 
-    def _spawn(self, name: str, argv: Sequence[str]) -> None:
+    def _spawn(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> None:
+        full_env = {**os.environ, **env} if env else None
         with (self.workdir / f"{name}.log").open("wb") as out:
-            proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT)
+            proc = spawn(argv, env=full_env, stdout=out, stderr=subprocess.STDOUT)  # ends with us
         self.supervisor.procs[name] = proc
 
     def _announced(self, name: str, role: str, deadline: float) -> Worker:

@@ -22,11 +22,12 @@ from kvfence.faults import FaultSet
 from kvfence.kv.pool import KVPool
 from kvfence.model.loader import LoadedModel, load_model
 from kvfence.serve.app import create_app
-from kvfence.serve.config import ServeConfig, decide_capacity
+from kvfence.serve.config import Capacity, ServeConfig, decide_capacity
 from kvfence.serve.pd.spec import WorkerSpec
 from kvfence.serve.pd.workers import engine_config
 from kvfence.serve.sglang.decode import DecodeSide
 from kvfence.serve.sglang.gate import RouterGate
+from kvfence.serve.sglang.generate import add_generate_route
 from kvfence.serve.sglang.prefill import PrefillSide
 from kvfence.serve.sglang.routing import WorkerRouter
 from kvfence.serve.sglang.side import PairSide
@@ -88,8 +89,14 @@ def serve_config(spec: SglangWorkerSpec, loaded: LoadedModel) -> ServeConfig:
     )
 
 
-def router_facts(spec: SglangWorkerSpec, side: PairSide, config: ServeConfig) -> dict[str, Any]:
-    """What sglang-router reads at registration, in SGLang's field names, plus the live pool."""
+def router_facts(
+    spec: SglangWorkerSpec, side: PairSide, config: ServeConfig, capacity: Capacity
+) -> dict[str, Any]:
+    """What sglang-router reads at registration, in SGLang's field names, plus the live pool.
+
+    Also what a fleet audit needs without any key (limits, prefix-cache policy): it reads
+    here on the router's path rather than sending a tenant's key to a worker.
+    """
     pool = side.stats().pools[0]
     w = spec.worker
     return {
@@ -104,6 +111,12 @@ def router_facts(spec: SglangWorkerSpec, side: PairSide, config: ServeConfig) ->
         "disaggregation_transfer_backend": w.transport,
         "context_length": config.context_length,
         "max_total_num_tokens": pool.pool_tokens,
+        "max_req_input_len": capacity.edge_limit,
+        "prefix_cache": {
+            "enabled": config.prefix_cache,
+            "namespacing": config.prefix_namespacing,
+            "cache_salt": True,
+        },
         "page_size": pool.page_size,
         "pages_used": pool.pages_used,
         "pages_free": pool.pages_free,
@@ -127,9 +140,10 @@ def run_sglang_worker(spec: SglangWorkerSpec, tenants: TenantRegistry) -> int:
     app = create_app(
         side, loaded.tokenizer, config, tenants, capacity=capacity, router_type=WorkerRouter
     )
+    add_generate_route(app)  # SGLang's native route, on the same admission path
 
     def facts() -> dict[str, Any]:
-        return router_facts(spec, side, config)
+        return router_facts(spec, side, config, capacity)
 
     gated = RouterGate(app, spec.secret, facts)
     sock = bind(spec.host, spec.port)

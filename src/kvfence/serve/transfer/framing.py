@@ -23,6 +23,7 @@ BEGIN = b"B"  # shm: manifest body, asks for the grant
 GRANT = b"G"  # shm: you may write
 DENY = b"D"  # shm: you may not (body: why)
 END = b"E"  # shm: the pages of this room are written (body: room)
+PROGRESS = b"P"  # engines: the room's first `upto` payload bytes are written (body: room, upto)
 
 
 def parse_address(address: str, scheme: str) -> tuple[str, int]:

@@ -7,15 +7,26 @@ pool succeeds. So kvfence keeps every fence above it, on a control socket:
   sender -> B(manifest)   may I write this room's pages?
   decode -> G | D(why)    granted only for an expected room whose reserved
                           handles are exactly the manifest's destination pages
-  sender's engine writes the granted pages (descriptors from `copy_runs`)
+  sender's engine writes the granted pages (descriptors from `copy_runs`),
+                          in chunks of `chunk_bytes` in canonical order
+  sender -> P(room, upto) after each chunk but the last: its engine confirmed
+                          the room's first `upto` payload bytes are written
   end of transfer         the engine's completion reaches decode with the
                           checksum the sender computed over what it sent:
                           an E frame (Mooncake) or the WRITE's notification (NIXL)
 
-Decode learns what landed only from the end; it then checksums its own pages
-(`Landed.checksum is None`) and reconciles (I3). A sender whose control
-socket closes between the grant and the end is dead: its rooms are confirmed
-ended (I7) and only then may their released pages be reused.
+Decode checksums its OWN pages (I3: what landed, never what the sender says):
+on each P it reads the newly written bytes into the room's running checksum,
+while the engine writes the next chunk, and at the end it reads the rest.
+`Landed` carries that checksum, so reconciliation is the manifest comparison
+and the read it used to do after the end overlaps the transfer instead
+(bench/transfer.py). Every landed byte is still read once, by decode, after
+its sender's engine confirmed it written; a region written again after its P
+would go unseen, as with any in-place writer after a check (the checksum
+guards against accidents, not a forger; the grant bounds where it can write).
+
+A sender whose control socket closes between the grant and the end is dead:
+its rooms are confirmed ended (I7) and only then may their released pages be reused.
 """
 
 from __future__ import annotations
@@ -33,10 +44,49 @@ from kvfence.engine.reconcile import StreamChecksum, byte_views
 from kvfence.kv.pool import KVPool
 from kvfence.serve.transfer import framing
 from kvfence.serve.transfer.base import InPlaceSender, TransferRefused, TransportClosed
-from kvfence.serve.transfer.layout import Outgoing, PoolShape
+from kvfence.serve.transfer.layout import ChecksumCursor, Outgoing, PoolShape, receive_layout
 from kvfence.serve.transfer.listener import ListeningReceiver, tune
 
 log = logging.getLogger(__name__)
+CHUNK_BYTES = 16 << 20  # the engines write this much per chunk; 0 = the whole room at once
+
+
+@dataclasses.dataclass(slots=True)
+class _Grant:
+    manifest: TransferManifest
+    engine: str  # the granted sender's engine identity ("" where it has none)
+    landed: ChecksumCursor  # decode's own checksum of the room's pages, as far as written
+    total: int
+    done: int = 0
+
+    def advance(self, upto: int) -> None:
+        upto = min(upto, self.total)
+        if upto > self.done:
+            self.landed.advance(upto - self.done)
+            self.done = upto
+
+
+def chunked(
+    runs: list[tuple[int, int, int, int]], chunk: int
+) -> list[tuple[list[tuple[int, int, int, int]], int]]:
+    """Copy runs cut into chunks of about `chunk` bytes, in order: (runs, bytes up to its end)."""
+    total = sum(n for *_, n in runs)
+    if chunk <= 0 or total <= chunk:
+        return [(runs, total)] if runs else []
+    out: list[tuple[list[tuple[int, int, int, int]], int]] = []
+    group: list[tuple[int, int, int, int]] = []
+    room, upto = chunk, 0
+    for kind, s, d, n in runs:
+        while n > 0:
+            take = min(n, room)
+            group.append((kind, s, d, take))
+            s, d, n, room, upto = s + take, d + take, n - take, room - take, upto + take
+            if room == 0:
+                out.append((group, upto))
+                group, room = [], chunk
+    if group:
+        out.append((group, upto))
+    return out
 
 
 def storage_addresses(pool: KVPool) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -76,9 +126,13 @@ def parse_end(body: bytes) -> tuple[str, str]:
 class GrantingReceiver(ListeningReceiver):
     """Decode's half: grants rooms on the control socket; the engine writes the pages."""
 
+    # True: checksum the pages here as P frames say they are written (the engines); False:
+    # `Landed(checksum=None)` and decode reads its pages after the end (shared memory).
+    verify_as_landed = True
+
     def __init__(self, pool: KVPool, host: str = "127.0.0.1", port: int = 0) -> None:
-        # room -> (manifest, the granted sender's engine identity, "" where it has none)
-        self._granted: dict[str, tuple[TransferManifest, str]] = {}
+        self._granted: dict[str, _Grant] = {}
+        self.chunks_checked = 0  # P frames whose bytes were read before the end (bench, tests)
         self._granted_lock = threading.Lock()
         super().__init__(pool, host, port)
 
@@ -105,6 +159,11 @@ class GrantingReceiver(ListeningReceiver):
                     raise TransportClosed("a control frame carries no payload")
                 if kind == framing.BEGIN:
                     self._begin(conn, body, granted, peer.get("engine", ""))
+                elif kind == framing.PROGRESS:
+                    room, upto = parse_progress(body)
+                    if room not in granted:
+                        raise TransportClosed(f"progress of room {room!r} never granted here")
+                    self.progress(room, upto)
                 elif kind == framing.END:
                     room, checksum = parse_end(body)
                     if room not in granted:
@@ -129,11 +188,17 @@ class GrantingReceiver(ListeningReceiver):
             framing.send_frame(conn, framing.DENY, b"expected a TransferManifest")
             return
         why = self.book.grant(msg)
+        if why is None:
+            try:
+                runs = receive_layout(self.pool, msg)
+            except ValueError as e:
+                why = f"the manifest does not fit its pages: {e}"
         if why is not None:
             framing.send_frame(conn, framing.DENY, why.encode())
             return
+        cursor = ChecksumCursor(runs, byte_views(self.pool))
         with self._granted_lock:
-            self._granted[msg.room] = (msg, engine)
+            self._granted[msg.room] = _Grant(msg, engine, cursor, sum(n for *_, n in runs))
         granted.add(msg.room)
         framing.send_frame(conn, framing.GRANT, b"")
 
@@ -145,11 +210,32 @@ class GrantingReceiver(ListeningReceiver):
         """
         with self._granted_lock:
             entry = self._granted.get(room)
-            if entry is None or entry[1] != engine:
+            if entry is None or entry.engine != engine:
                 return False
             del self._granted[room]
-        self.book.landed(dataclasses.replace(entry[0], checksum=checksum), None)
+            # The bytes since the last P, read here (I3); or all of them by decode, later.
+            measured = entry.landed.finish() if self.verify_as_landed else None
+        self.book.landed(dataclasses.replace(entry.manifest, checksum=checksum), measured)
         return True
+
+    def progress(self, room: str, upto: int) -> None:
+        """The sender's engine wrote the room's first `upto` bytes: checksum them now (I3)."""
+        with self._granted_lock:
+            entry = self._granted.get(room)
+            if entry is not None and self.verify_as_landed:  # else ended already (NIXL)
+                entry.advance(upto)
+                self.chunks_checked += 1
+
+
+def parse_progress(body: bytes) -> tuple[str, int]:
+    try:
+        obj = json.loads(body)
+        room, upto = obj["room"], obj["upto"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise TransportClosed(f"malformed progress message: {e}") from None
+    if not isinstance(room, str) or not isinstance(upto, int) or upto < 0:
+        raise TransportClosed("malformed progress message: room is a string, upto a count")
+    return room, upto
 
 
 class GrantClient(InPlaceSender):
@@ -182,13 +268,21 @@ class GrantClient(InPlaceSender):
     def send_end(self, end: bytes) -> None:
         framing.send_frame(self._sock, framing.END, end)
 
+    def send_progress(self, room: str, upto: int) -> None:
+        body = json.dumps({"room": room, "upto": upto}).encode()
+        framing.send_frame(self._sock, framing.PROGRESS, body)
+
     def close(self) -> None:
         self._sock.close()
 
 
 class GrantedSender(GrantClient):
     """Prefill's half for a transfer engine: asks for the grant, then has its engine write
-    the granted pages and signal the end."""
+    the granted pages chunk by chunk (a P frame after each but the last) and signal the end."""
+
+    def __init__(self, address: str, scheme: str, chunk_bytes: int = CHUNK_BYTES) -> None:
+        super().__init__(address, scheme)
+        self.chunk_bytes = chunk_bytes
 
     def complete(self, out: Outgoing) -> None:
         checksum = source_checksum(out)

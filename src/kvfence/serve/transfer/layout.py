@@ -172,7 +172,7 @@ def copy_runs_into(
     """
     dst_np = (np.frombuffer(dst[0], np.uint8), np.frombuffer(dst[1], np.uint8))
     src_np = (np.frombuffer(src[0], np.uint8), np.frombuffer(src[1], np.uint8))
-    cursor = _ChecksumCursor(out.canonical, src)
+    cursor = ChecksumCursor(out.canonical, src)
     for kind, s, d, n in out.copy_runs():
         for start in range(0, n, COPY_CHUNK):
             m = min(COPY_CHUNK, n - start)
@@ -183,8 +183,8 @@ def copy_runs_into(
     return cursor.finish()
 
 
-class _ChecksumCursor:
-    """Checksums canonical source runs, a given number of bytes at a time."""
+class ChecksumCursor:
+    """Checksums runs (kind, offset, length) of a pool's bytes in order, some bytes at a time."""
 
     def __init__(
         self, runs: list[tuple[int, int, int]], src: tuple[memoryview, memoryview]

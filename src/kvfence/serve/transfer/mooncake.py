@@ -5,8 +5,9 @@ Decode's K/V storage is registered with a Mooncake `TransferEngine`
 hardware has it). The hello tells senders the engine's session
 (`host:rpc_port`) and the base addresses of K and V; a granted transfer is one
 `batch_transfer_sync_write` of the copy runs (each run one request), which
-returns only once the target engine has acknowledged the writes. Then the
-sender sends the E frame with the checksum of what it sent.
+returns only once the target engine has acknowledged the writes, one call per
+chunk (granted.py's P frames let decode checksum a chunk while the next is
+written). Then the sender sends the E frame with the checksum of what it sent.
 
 Mooncake checks only that a write falls inside some registered buffer: a
 write to another page of the pool succeeds. Which pages a sender may write
@@ -27,7 +28,13 @@ from typing import Any
 
 from kvfence.kv.pool import KVPool
 from kvfence.serve.transfer.base import KVTransport
-from kvfence.serve.transfer.granted import GrantedSender, GrantingReceiver, storage_addresses
+from kvfence.serve.transfer.granted import (
+    CHUNK_BYTES,
+    GrantedSender,
+    GrantingReceiver,
+    chunked,
+    storage_addresses,
+)
 from kvfence.serve.transfer.layout import Outgoing
 
 log = logging.getLogger(__name__)
@@ -89,21 +96,24 @@ class MooncakeReceiver(GrantingReceiver):
 
 
 class MooncakeSender(GrantedSender):
-    def __init__(self, address: str, engine: MooncakeEngine) -> None:
-        super().__init__(address, "mooncake")
+    def __init__(self, address: str, engine: MooncakeEngine, chunk_bytes: int) -> None:
+        super().__init__(address, "mooncake", chunk_bytes)
         self._engine = engine
         self._session = str(self.hello["session"])
         self._dst_base = (int(self.hello["k_addr"]), int(self.hello["v_addr"]))
 
     def write(self, out: Outgoing, end: bytes) -> str | None:
         src_base = tuple(addr for addr, _ in self._engine.register(out.src_pool))
-        runs = out.copy_runs()
-        src = [src_base[k] + s for k, s, _, _ in runs]
-        dst = [self._dst_base[k] + d for k, _, d, _ in runs]
-        lengths = [n for _, _, _, n in runs]
-        rc = self._engine.write(self._session, src, dst, lengths) if runs else 0
-        if rc != 0:
-            return f"Mooncake batch_transfer_sync_write returned {rc}"
+        chunks = chunked(out.copy_runs(), self.chunk_bytes)
+        for i, (runs, upto) in enumerate(chunks):
+            src = [src_base[k] + s for k, s, _, _ in runs]
+            dst = [self._dst_base[k] + d for k, _, d, _ in runs]
+            lengths = [n for _, _, _, n in runs]
+            rc = self._engine.write(self._session, src, dst, lengths)
+            if rc != 0:
+                return f"Mooncake batch_transfer_sync_write returned {rc}"
+            if i + 1 < len(chunks):  # acknowledged: decode checksums it while the next goes
+                self.send_progress(out.manifest.room, upto)
         self.send_end(end)
         return None
 
@@ -111,10 +121,17 @@ class MooncakeSender(GrantedSender):
 class MooncakeTransport(KVTransport):
     name = "mooncake"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, protocol: str = "tcp") -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        protocol: str = "tcp",
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
         self.host = host
         self.port = port
         self.protocol = protocol
+        self.chunk_bytes = chunk_bytes  # 0: one write per room, decode checks after the end
         self._engine: MooncakeEngine | None = None  # one per transport, shared by its halves
 
     def engine(self) -> MooncakeEngine:
@@ -126,4 +143,4 @@ class MooncakeTransport(KVTransport):
         return MooncakeReceiver(pool, self.engine(), self.host, self.port)
 
     def sender(self, address: str) -> MooncakeSender:
-        return MooncakeSender(address, self.engine())
+        return MooncakeSender(address, self.engine(), self.chunk_bytes)

@@ -33,8 +33,10 @@ from kvfence.kv.pool import KVPool
 from kvfence.serve.transfer import framing
 from kvfence.serve.transfer.base import Event, KVTransport, TransportClosed
 from kvfence.serve.transfer.granted import (
+    CHUNK_BYTES,
     GrantedSender,
     GrantingReceiver,
+    chunked,
     parse_end,
     storage_addresses,
 )
@@ -138,8 +140,8 @@ class NixlReceiver(GrantingReceiver):
 
 
 class NixlSender(GrantedSender):
-    def __init__(self, address: str, agent: NixlAgent) -> None:
-        super().__init__(address, "nixl")
+    def __init__(self, address: str, agent: NixlAgent, chunk_bytes: int) -> None:
+        super().__init__(address, "nixl", chunk_bytes)
         self._agent = agent
         self._remote = agent.add_remote(str(self.hello["metadata"]))
         self._dst_base = (int(self.hello["k_addr"]), int(self.hello["v_addr"]))
@@ -147,18 +149,19 @@ class NixlSender(GrantedSender):
 
     def write(self, out: Outgoing, end: bytes) -> str | None:
         src_base = tuple(addr for addr, _ in self._agent.register(out.src_pool))
-        runs = out.copy_runs()
-        if not runs:
-            self.send_end(end)
-            return None
-        rows = np.asarray(runs, dtype=np.int64)  # kind, src offset, dst offset, length
-        kinds, lengths = rows[:, 0], rows[:, 3]
-        zeros = np.zeros(len(rows), dtype=np.int64)
-        src = np.stack([np.asarray(src_base)[kinds] + rows[:, 1], lengths, zeros], axis=1)
-        dst = np.stack([np.asarray(self._dst_base)[kinds] + rows[:, 2], lengths, zeros], axis=1)
-        state = self._agent.write(self._remote, src, dst, end)
-        if state != "DONE":
-            return f"NIXL WRITE ended in state {state}"
+        chunks = chunked(out.copy_runs(), self.chunk_bytes)
+        for i, (runs, upto) in enumerate(chunks):
+            rows = np.asarray(runs, dtype=np.int64)  # kind, src offset, dst offset, length
+            kinds, lengths = rows[:, 0], rows[:, 3]
+            zeros = np.zeros(len(rows), dtype=np.int64)
+            src = np.stack([np.asarray(src_base)[kinds] + rows[:, 1], lengths, zeros], axis=1)
+            dst = np.stack([np.asarray(self._dst_base)[kinds] + rows[:, 2], lengths, zeros], axis=1)
+            last = i + 1 == len(chunks)
+            state = self._agent.write(self._remote, src, dst, end if last else b"")
+            if state != "DONE":
+                return f"NIXL WRITE ended in state {state}"
+            if not last:  # DONE: written there; decode checksums it while the next goes
+                self.send_progress(out.manifest.room, upto)
         # The notification may end the room first; the E frame is the ordered confirmation,
         # so a sender that closes right after its write is never counted dead mid-transfer.
         self.send_end(end)
@@ -168,9 +171,12 @@ class NixlSender(GrantedSender):
 class NixlTransport(KVTransport):
     name = "nixl"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, chunk_bytes: int = CHUNK_BYTES
+    ) -> None:
         self.host = host
         self.port = port
+        self.chunk_bytes = chunk_bytes  # 0: one WRITE per room, decode checks after the end
         self._agents: dict[str, NixlAgent] = {}  # one per role, shared by that role's halves
 
     def agent(self, role: str) -> NixlAgent:
@@ -182,4 +188,4 @@ class NixlTransport(KVTransport):
         return NixlReceiver(pool, self.agent("decode"), self.host, self.port)
 
     def sender(self, address: str) -> NixlSender:
-        return NixlSender(address, self.agent("prefill"))
+        return NixlSender(address, self.agent("prefill"), self.chunk_bytes)

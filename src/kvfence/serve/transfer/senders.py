@@ -2,14 +2,54 @@
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
 from kvfence.engine.prefill import OutboundTransfer
 from kvfence.kv.pool import KVPool
-from kvfence.serve.transfer.base import KVSender, KVTransport, TransferRefused, TransportClosed
+from kvfence.serve.transfer.base import (
+    InPlaceSender,
+    KVSender,
+    KVTransport,
+    TransferRefused,
+    TransportClosed,
+)
+
+HOLD_ENV = "KVFENCE_LAB_HOLD_GRANTED"  # a folder; unset outside the faults tests
+
+
+@dataclass(frozen=True, slots=True)
+class GrantHold:
+    """Lab only: park a granted in-place transfer, so a test can kill or freeze prefill there.
+
+    While `<folder>/hold` exists, a sender that has its grant (decode's pages
+    are inbound, I7) writes `<folder>/granted-<pid>-<room>` and waits before the
+    engine writes a byte. It only delays; every fence stays where it is.
+    """
+
+    folder: Path
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> GrantHold | None:
+        folder = env.get(HOLD_ENV, "")
+        return cls(Path(folder)) if folder else None
+
+    def wait(self, room: str) -> None:
+        flag = self.folder / "hold"
+        if not flag.exists():
+            return
+        (self.folder / f"granted-{os.getpid()}-{room}").touch()
+        while flag.exists():
+            time.sleep(0.01)
 
 
 class Senders:
-    def __init__(self, transport: KVTransport) -> None:
+    def __init__(self, transport: KVTransport, hold: GrantHold | None = None) -> None:
         self.transport = transport
+        self.hold = hold
         self._open: dict[str, KVSender] = {}
 
     def send(self, addr: str, transfer: OutboundTransfer, pool: KVPool) -> str | None:
@@ -22,13 +62,22 @@ class Senders:
             sender = self._open.get(addr)
             if sender is None:
                 sender = self._open[addr] = self.transport.sender(addr)
-            sender.send(transfer, pool)
+            self._transmit(sender, transfer, pool)
             return None
         except (TransferRefused, TransportClosed, OSError, ValueError) as e:
             broken = self._open.pop(addr, None)
             if broken is not None and not isinstance(e, TransferRefused):
                 broken.close()
             return f"KV transfer to decode failed: {e}"
+
+    def _transmit(self, sender: KVSender, transfer: OutboundTransfer, pool: KVPool) -> None:
+        if self.hold is None or not isinstance(sender, InPlaceSender):
+            sender.send(transfer, pool)
+            return
+        out = sender.prepare(transfer, pool)
+        sender.begin(out)  # granted: from here the transfer is in flight (I7)
+        self.hold.wait(transfer.room)
+        sender.complete(out)
 
     def close(self) -> None:
         for sender in self._open.values():

@@ -1,0 +1,337 @@
+"""Faults on the real PD stack: sglang-router in front, Mooncake / NIXL moving the KV.
+
+A transfer is caught "mid-transfer" with the lab's grant hold
+(`serve/transfer/senders.py`, `KVFENCE_LAB_HOLD_GRANTED`): the prefill worker
+that has just been granted decode's pages (I7: they are inbound) parks before
+its engine writes a byte and says so with a file naming its pid; the test
+then kills or freezes exactly that process. The router runs with retries off
+so the affected request's own outcome reaches the client (with retries on it
+is re-sent to a fresh pair; that is the router's business, not a fence).
+
+Each case asserts the same three things: the affected request ends with an
+error (never a short 200), every other request completes in full, and once
+quiet every surviving worker's ledger check is ok with no page used or pending.
+The `early-free` stack is the proof the freeze case can fail: the late write
+lands in a reused page and another tenant's output shows it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sgl_helpers import OPERATOR_KEY, SCALE, text_of
+
+from kvfence.faults import Fault, FaultSet
+from kvfence.model.tokenizer import Tokenizer
+from kvfence.serve.sglang.stack import Stack, StackSpec, Worker
+from kvfence.serve.tenants import TenantRegistry
+from kvfence.serve.transfer.senders import HOLD_ENV
+
+pytestmark = pytest.mark.slow
+SENTINEL = "ZQX4817263"
+HALF = 150  # prompt and max_tokens: together within the per-request limit (336)
+
+
+@dataclass(frozen=True, slots=True)
+class Rig:
+    stack: Stack
+    keys: dict[str, str]
+    tokenizer: Tokenizer
+    model: str
+    hold: Path  # the grant hold's folder
+
+    @property
+    def url(self) -> str:
+        return self.stack.url
+
+    def workers(self, role: str) -> list[Worker]:
+        return [w for w in self.stack.workers if w.role == role]
+
+    def pid(self, name: str) -> int:
+        return self.stack.supervisor.procs[name].pid
+
+    def name_of(self, pid: int) -> str:
+        return next(n for n, p in self.stack.supervisor.procs.items() if p.pid == pid)
+
+    def facts(self, w: Worker) -> dict[str, Any]:
+        url = self.stack.router_url_of(w)
+        return dict(httpx.get(f"{url}/server_info", timeout=10).json())
+
+
+@contextmanager
+def rig(
+    checkpoint: Path,
+    tmp: Path,
+    transport: str,
+    n_prefill: int = 2,
+    n_decode: int = 1,
+    faults: FaultSet | None = None,
+) -> Iterator[Rig]:
+    tenants = TenantRegistry.generate(("tenant-a", "tenant-b")).with_operator_keys((OPERATOR_KEY,))
+    tenants_file = tmp / "tenants.json"
+    tenants_file.write_text(tenants.to_json())
+    hold = tmp / "hold"
+    hold.mkdir()
+    args = [
+        "--model", str(checkpoint), "--model-kind", "mirror",
+        "--context-length", str(SCALE.context_length), "--page-size", str(SCALE.page_size),
+        "--kv-pages", f"prefill={SCALE.prefill_pages},decode={SCALE.decode_pages}",
+        "--torch-threads", "1", "--transport", transport, "--no-prefix-cache",
+        "--allow-undersized-pool",
+    ]  # fmt: skip
+    for f in (faults or FaultSet()).names():
+        args += ["--lab-fault", f]
+    spec = StackSpec(
+        tuple(args),
+        tenants_file,
+        n_prefill=n_prefill,
+        n_decode=n_decode,
+        router_args=("--disable-retries",),
+        worker_env=((HOLD_ENV, str(hold)),),
+    )
+    with Stack(spec, workdir=tmp) as stack:
+        keys = {t.name: t.keys[0] for t in tenants.tenants}
+        yield Rig(stack, keys, Tokenizer.from_dir(checkpoint), checkpoint.name, hold)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    status: int
+    text: str
+    completion_tokens: int
+    body: str
+
+    def full(self, tokenizer: Tokenizer, prompt: str, max_tokens: int) -> bool:
+        """A complete 200 of the tenant's own echo (the mirror replays its own prompt first)."""
+        own = tokenizer.decode(tokenizer.encode(prompt))
+        n = min(len(own), len(self.text))
+        return (
+            self.status == 200 and self.completion_tokens == max_tokens and self.text[:n] == own[:n]
+        )
+
+
+def post(r: Rig, tenant: str, prompt: str, max_tokens: int, timeout: float = 120) -> Outcome:
+    body = {"model": r.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    try:
+        resp = httpx.post(
+            f"{r.url}/v1/completions",
+            headers={"Authorization": f"Bearer {r.keys[tenant]}"},
+            json={**body, "ignore_eos": True},
+            timeout=timeout,
+        )
+    except httpx.HTTPError as e:  # the connection itself broke: an error, never a 200
+        return Outcome(0, "", 0, repr(e))
+    if resp.status_code != 200:
+        return Outcome(resp.status_code, "", 0, resp.text)
+    obj = resp.json()
+    text = "".join(c.get("text", "") for c in obj.get("choices", []))
+    return Outcome(200, text, int(obj["usage"]["completion_tokens"]), resp.text)
+
+
+def hold_next_grant(r: Rig, send: Any) -> tuple[threading.Thread, dict[str, Outcome], int]:
+    """Arm the hold, run `send()` in a thread, wait for a grant: (thread, result, held pid)."""
+    result: dict[str, Outcome] = {}
+    (r.hold / "hold").touch()
+    t = threading.Thread(target=lambda: result.setdefault("v", send()))
+    t.start()
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        granted = list(r.hold.glob("granted-*"))
+        if granted:
+            for g in granted:
+                g.unlink()
+            return t, result, int(granted[0].name.split("-")[1])
+        time.sleep(0.01)
+    raise AssertionError("no prefill worker was granted pages within 60 s")
+
+
+def wait_quiet(r: Rig, w: Worker, timeout: float = 20.0) -> dict[str, Any]:
+    end = time.monotonic() + timeout
+    facts = r.facts(w)
+    while time.monotonic() < end:
+        if facts["pages_used"] == 0 and facts["pages_pending"] == 0 and facts["integrity"]:
+            return facts
+        time.sleep(0.2)
+        facts = r.facts(w)
+    return facts
+
+
+def assert_quiet(r: Rig, workers: list[Worker]) -> None:
+    for w in workers:
+        facts = wait_quiet(r, w)
+        got = (facts["pages_used"], facts["pages_pending"], facts["integrity"])
+        assert got == (0, 0, "ok"), (w.name, got)
+
+
+def stream_tokens(r: Rig, tenant: str, prompt: str, on_token: Any) -> str:
+    """A streamed completion's text; `on_token(n)` after each of its tokens arrives."""
+    body = {"model": r.model, "prompt": prompt, "max_tokens": HALF, "temperature": 0}
+    body |= {"stream": True, "ignore_eos": True}
+    auth = {"Authorization": f"Bearer {r.keys[tenant]}"}
+    parts: list[str] = []
+    with httpx.stream("POST", f"{r.url}/v1/completions", headers=auth, json=body, timeout=120) as s:
+        assert s.status_code == 200, s.read()
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                parts.append(json.loads(line[6:])["choices"][0]["text"])
+                on_token(len(parts))
+    return "".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class Frozen:
+    victim: Outcome
+    other: str  # another tenant's streamed text, decoded while the frozen write landed
+    other_own: str
+    pending: int  # decode's parked pages once A's room was given up
+
+
+def freeze_mid_transfer(r: Rig) -> Frozen:
+    """A's transfer is granted, then its prefill is frozen (SIGSTOP) before a byte moves.
+
+    Decode gives A's room up by its pair deadline and releases A's pages. B (the
+    same length, so it needs as many pages) goes through the other prefill to
+    the same decode; while B decodes, A's prefill is woken (SIGCONT) and its
+    engine writes where the grant said.
+    """
+    a_prompt = text_of(r.tokenizer, f"{SENTINEL} invoice ", HALF)
+    b_prompt = text_of(r.tokenizer, "weather report ", HALF)
+    t, result, pid = hold_next_grant(r, lambda: post(r, "tenant-a", a_prompt, HALF))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        (r.hold / "hold").unlink()  # it stays parked until it runs again
+        decode = r.workers("decode")[0]
+        end = time.monotonic() + 60
+        while r.facts(decode)["pages_used"] and time.monotonic() < end:
+            time.sleep(0.2)  # decode gave A's room up (pair deadline): its pages are released
+        pending = int(r.facts(decode)["pages_pending"])
+        woken: list[bool] = []
+
+        def wake(n: int) -> None:
+            if n == 4 and not woken:
+                os.kill(pid, signal.SIGCONT)
+                woken.append(True)
+
+        other = stream_tokens(r, "tenant-b", b_prompt, wake)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    t.join(120)
+    own = r.tokenizer.decode(r.tokenizer.encode(b_prompt))
+    return Frozen(result["v"], other, own, pending)
+
+
+# ---- the shared stacks: two prefill workers, one decode, per transport ----------------------
+
+
+@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+def two_prefill(
+    request: pytest.FixtureRequest, sgl_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Rig]:
+    transport = str(request.param)
+    pytest.importorskip("mooncake.engine" if transport == "mooncake" else "nixl_cu12")
+    with rig(sgl_checkpoint, tmp_path_factory.mktemp(f"faults-{transport}"), transport) as r:
+        yield r
+
+
+def test_prefill_rejects_while_decode_has_reserved(two_prefill: Rig) -> None:
+    """Both workers get B's over-pool prompt at once: decode reserves, prefill refuses (I2).
+
+    The refusal reaches decode over the bootstrap channel with the original error; decode
+    answers it and releases the reservation; A's requests alongside complete in full."""
+    r = two_prefill
+    over = text_of(r.tokenizer, "weather report ", 424)  # > prefill pool 336, < context 512
+    prompts = [("tenant-b", over, 16)] + [("tenant-a", f"alongside {i} " * 6, 24) for i in range(4)]
+    with ThreadPoolExecutor(5) as pool:
+        outs = list(pool.map(lambda p: post(r, *p), prompts))
+    assert outs[0].status == 400 and "336" in outs[0].body, outs[0]
+    for (_, prompt, n), out in zip(prompts[1:], outs[1:], strict=True):
+        assert out.full(r.tokenizer, prompt, n), out
+    assert_quiet(r, r.stack.workers)
+
+
+def test_frozen_prefill_writes_late_into_parked_pages_only(two_prefill: Rig) -> None:
+    """Freeze prefill mid-transfer: A fails with decode's error, B is untouched (I7)."""
+    r = two_prefill
+    frozen = freeze_mid_transfer(r)
+    # Decode's 504 (pair deadline); the router re-labels a decode error 500, message kept.
+    assert frozen.victim.status >= 500 and "did not prefill room" in frozen.victim.body, frozen
+    assert frozen.pending > 0  # A's pages parked until its late write is confirmed (I7)
+    assert SENTINEL not in frozen.other, frozen.other[:300]
+    assert frozen.other.startswith(frozen.other_own), frozen.other[:300]
+    assert_quiet(r, r.stack.workers)
+    ok = post(r, "tenant-a", "after the thaw " * 4, 12)
+    assert ok.full(r.tokenizer, "after the thaw " * 4, 12), ok
+
+
+def test_prefill_killed_mid_transfer_fails_its_request_only(two_prefill: Rig) -> None:
+    """Last on the shared stack (it kills a worker). The dead sender is decode's confirmation
+    that nothing more will land (I7): A fails at once, A's pages come back, others finish."""
+    r = two_prefill
+    a_prompt = "killed mid transfer " * 6
+    t, result, pid = hold_next_grant(r, lambda: post(r, "tenant-a", a_prompt, 24))
+    survivor = next(w for w in r.workers("prefill") if r.pid(w.name) != pid)
+    (r.hold / "hold").unlink()
+    others = [f"meanwhile {i} " * 6 for i in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        os.kill(pid, signal.SIGKILL)
+        t.join(60)
+        # The router still round-robins onto the dead worker: those requests fail, loudly.
+        outs = list(pool.map(lambda p: post(r, "tenant-b", p, 24), others))
+    victim = result["v"]
+    assert victim.status >= 400 or victim.status == 0, victim
+    assert victim.status != 200
+    full = [o for p, o in zip(others, outs, strict=True) if o.full(r.tokenizer, p, 24)]
+    assert full, outs  # requests through the surviving prefill complete
+    assert all(o.status != 200 or o in full for o in outs), outs  # never a short 200
+    assert_quiet(r, [survivor, *r.workers("decode")])
+
+
+# ---- the proof: the same freeze with `early-free` on ---------------------------------------
+
+
+def test_early_free_lets_the_late_mooncake_write_into_another_tenants_pages(
+    sgl_checkpoint: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("mooncake.engine")
+    with rig(sgl_checkpoint, tmp_path, "mooncake", faults=FaultSet.of(Fault.EARLY_FREE)) as r:
+        frozen = freeze_mid_transfer(r)
+    assert frozen.victim.status >= 500 and "did not prefill room" in frozen.victim.body, frozen
+    assert frozen.pending == 0  # A's pages went straight back to the free list
+    assert SENTINEL in frozen.other, frozen.other[:300]  # A's prompt in B's answer
+
+
+# ---- decode killed mid-generation: one prefill, two decode workers -------------------------
+
+
+def test_decode_killed_mid_generation_fails_its_requests_only(
+    sgl_checkpoint: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("mooncake.engine")
+    with rig(sgl_checkpoint, tmp_path, "mooncake", n_prefill=1, n_decode=2) as r:
+        victim = r.workers("decode")[0]
+        prompts = [f"long request {i} " for i in range(4)]
+        n = 300
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(post, r, "tenant-a", p, n) for p in prompts]
+            end = time.monotonic() + 60
+            while time.monotonic() < end and not r.facts(victim)["pages_used"]:
+                time.sleep(0.01)
+            time.sleep(0.1)  # its KV has landed: it is generating
+            os.kill(r.pid(victim.name), signal.SIGKILL)
+            outs = [f.result(timeout=120) for f in futures]
+        full = [o for p, o in zip(prompts, outs, strict=True) if o.full(r.tokenizer, p, n)]
+        assert full and len(full) < len(outs), outs  # some on each decode
+        assert all(o.status != 200 or o in full for o in outs), outs  # never a short 200
+        assert_quiet(r, [*r.workers("prefill"), r.workers("decode")[1]])
