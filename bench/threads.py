@@ -16,7 +16,10 @@ Prints one line per configuration and the load average:
 
   threads intra=2 interop=1 omp_wait=PASSIVE wall_s=... tok_s=... ratio_vs_default=... load1=...
 
-Usage: python bench/threads.py [--preset smollm] [--rows 8] [--repeats 3]
+`--served` compares only what `kvfence serve --torch-threads` chooses between:
+all cores vs one intra-op thread, both under the CLI's OMP_WAIT_POLICY=PASSIVE.
+
+Usage: python bench/threads.py [--preset smollm] [--rows 8] [--repeats 3] [--served]
 """
 
 from __future__ import annotations
@@ -92,10 +95,20 @@ def main() -> None:
     parser.add_argument("--preset", default="smollm")
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--served",
+        action="store_true",
+        help="only what `kvfence serve` can choose: OMP_WAIT_POLICY=PASSIVE (its default) "
+        "with all cores vs 1 intra-op thread (the default is then all cores, PASSIVE)",
+    )
     args = parser.parse_args()
     cores = os.cpu_count() or 1
-    default: Config = (cores, cores, "")
-    configs: list[Config] = [default, (cores, 1, ""), (cores, 1, "PASSIVE"), (1, 1, "")]
+    default: Config = (cores, 1, "PASSIVE") if args.served else (cores, cores, "")
+    configs: list[Config] = (
+        [default, (1, 1, "PASSIVE")]
+        if args.served
+        else [default, (cores, 1, ""), (cores, 1, "PASSIVE"), (1, 1, "")]
+    )
     walls: dict[Config, list[float]] = {c: [] for c in configs}
     tokens = 0
     for _ in range(args.repeats):
