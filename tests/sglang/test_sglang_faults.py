@@ -315,11 +315,12 @@ def test_early_free_lets_the_late_mooncake_write_into_another_tenants_pages(
 # ---- decode killed mid-generation: one prefill, two decode workers -------------------------
 
 
+@pytest.mark.parametrize("transport", ["mooncake", "nixl"])
 def test_decode_killed_mid_generation_fails_its_requests_only(
-    sgl_checkpoint: Path, tmp_path: Path
+    sgl_checkpoint: Path, tmp_path: Path, transport: str
 ) -> None:
-    pytest.importorskip("mooncake.engine")
-    with rig(sgl_checkpoint, tmp_path, "mooncake", n_prefill=1, n_decode=2) as r:
+    pytest.importorskip("mooncake.engine" if transport == "mooncake" else "nixl_cu12")
+    with rig(sgl_checkpoint, tmp_path, transport, n_prefill=1, n_decode=2) as r:
         victim = r.workers("decode")[0]
         prompts = [f"long request {i} " for i in range(4)]
         n = 300
