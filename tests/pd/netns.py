@@ -145,7 +145,8 @@ def popen_on(lab: NetLab, host: str, argv: Sequence[str], log: Path) -> subproce
 
 
 def stop_all(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = 10) -> None:
-    """SIGTERM all, then SIGKILL what is left after `grace_s`."""
+    """SIGTERM all, then SIGKILL what is left after `grace_s` (a worker that closed its
+    sockets can still spend many seconds in interpreter finalization on a loaded machine)."""
     for p in procs:
         if p.poll() is None:
             p.terminate()

@@ -11,7 +11,6 @@ answer) only where `ip netns add` is refused.
 from __future__ import annotations
 
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from typing import TypeVar
 import httpx
 import openai
 import pytest
-from netns import NamespacesRefused, NetLab, namespaces_named, netlab, tail
+from netns import NamespacesRefused, NetLab, namespaces_named, netlab, stop_all, tail
 from test_pd_e2e import PROMPTS, _complete, _single_process_texts
 
 from kvfence.model.config import ModelConfig
@@ -106,22 +105,6 @@ def _popen(lab: NetLab, host: str, argv: list[str], log: Path) -> subprocess.Pop
         )
 
 
-def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float = 10) -> None:
-    """SIGTERM all, then SIGKILL what is left after `grace_s` (the TCP transport holds no
-    shared segments, so a kill leaks nothing; a worker that closed its sockets can still
-    spend many seconds in interpreter finalization on a loaded machine)."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    end = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 def _wait_for_router(cluster: MultiHost, deadline_s: float = 240) -> str:
     """The URL the router announces once both workers reported and the gate passed."""
     end = time.monotonic() + deadline_s
@@ -200,7 +183,7 @@ def clusters(
     finally:
         for c in started.values():
             c.close_clients()
-        _stop([p for c in started.values() for p in c.procs.values()])
+        stop_all([p for c in started.values() for p in c.procs.values()])
 
 
 def _texts(c: MultiHost) -> list[str]:
