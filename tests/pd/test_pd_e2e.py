@@ -186,16 +186,24 @@ def _running(pattern: str) -> int:
     return len(out.split())
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _serve_announced(
-    args: list[str], env: dict[str, str] | None = None
+    args: list[str], env: dict[str, str] | None = None, sigint_ignored: bool = False
 ) -> tuple[subprocess.Popen[str], str]:
-    """`kvfence serve ARGS` started, and what it printed up to its ready-to-paste curl line."""
+    """`kvfence serve ARGS` started, and what it printed up to its ready-to-paste curl line.
+
+    `sigint_ignored` starts it the way a shell starts a background job (`kvfence serve … &`
+    in a script): SIGINT inherited ignored, which Python keeps unless the program sets it."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvfence", "serve", *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=_ignore_sigint if sigint_ignored else None,
     )
     assert proc.stdout is not None
     lines: list[str] = []
@@ -254,7 +262,7 @@ def test_serve_disaggregated_no_auth(pd_checkpoint: Path) -> None:
     args = ["--disaggregated", "--router", "kvfence", "--no-auth", "--port", "0"]
     args += ["--model", str(pd_checkpoint)]
     args += ["--model-kind", "mirror", "--kv-pages", "512"]
-    proc, text = _serve_announced(args)
+    proc, text = _serve_announced(args, sigint_ignored=True)  # kill -INT still stops it all
     try:
         url = re.search(r"at (http://\S+)", text)
         assert url is not None and "auth: none (dev mode" in text, text

@@ -19,7 +19,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import IO
 
@@ -109,7 +110,10 @@ class Supervisor:
 
     def run_until_done(self) -> int:
         """Start, wait for the first exit or a signal, stop the rest. Returns the exit code to use."""
-        previous = signal.signal(signal.SIGTERM, raise_interrupt)
+        with interrupts_unwind():
+            return self._run()
+
+    def _run(self) -> int:
         try:
             self.start()
             name, rc = self.first_exit()
@@ -122,9 +126,25 @@ class Supervisor:
             return 0
         finally:
             self.stop()
-            signal.signal(signal.SIGTERM, previous)
 
 
 def raise_interrupt(signum: int, frame: object) -> None:
-    """SIGTERM handler: unwind like Ctrl-C, so every `finally` stops its children."""
+    """SIGTERM/SIGINT handler: unwind like Ctrl-C, so every `finally` stops its children."""
     raise KeyboardInterrupt
+
+
+@contextmanager
+def interrupts_unwind() -> Iterator[None]:
+    """SIGTERM and SIGINT both raise KeyboardInterrupt while the block runs.
+
+    SIGINT is set explicitly, as uvicorn does for the single-process server: a process
+    started as a shell's background job inherits SIGINT ignored (POSIX), and Python then
+    never installs its Ctrl-C handler, so an operator's `kill -INT` would leave every
+    role running."""
+    signals = (signal.SIGTERM, signal.SIGINT)
+    previous = {s: signal.signal(s, raise_interrupt) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -14,7 +13,7 @@ import click
 from kvfence.faults import FaultSet
 from kvfence.serve.pd.cli import worker_spec
 from kvfence.serve.pd.worker_entry import set_torch_threads
-from kvfence.serve.supervisor import raise_interrupt
+from kvfence.serve.supervisor import interrupts_unwind
 from kvfence.serve.tenants import TenantRegistry
 
 
@@ -71,7 +70,7 @@ def run_stack(
     params: dict[str, Any], faults: FaultSet, tenants: TenantRegistry, model_dir: Path
 ) -> int:
     """sglang-router + the workers, supervised together; the router's URL is the public one."""
-    from kvfence.serve.sglang.stack import Stack, StackError, StackSpec
+    from kvfence.serve.sglang.stack import Stack, StackSpec
 
     with tempfile.TemporaryDirectory(prefix="kvfence-tenants-") as tmp:
         tenants_file = Path(tmp) / "tenants.json"
@@ -86,22 +85,27 @@ def run_stack(
             port=params["port"],
         )
         stack = Stack(spec)
-        previous = signal.signal(signal.SIGTERM, raise_interrupt)
-        try:
-            stack.start()
-            _announce(stack, tenants)
-            name, rc = stack.first_exit()
-            click.echo(f"kvfence: {name} exited with code {rc}; stopping the stack", err=True)
-            return rc or 1
-        except StackError as e:
-            click.echo(f"kvfence: the stack did not start: {e}", err=True)
-            return 1
-        except KeyboardInterrupt:
-            click.echo("kvfence: interrupted; stopping the router and every worker", err=True)
-            return 0
-        finally:
-            stack.stop()
-            signal.signal(signal.SIGTERM, previous)
+        with interrupts_unwind():
+            return _run(stack, tenants)
+
+
+def _run(stack: Any, tenants: TenantRegistry) -> int:
+    from kvfence.serve.sglang.stack import StackError
+
+    try:
+        stack.start()
+        _announce(stack, tenants)
+        name, rc = stack.first_exit()
+        click.echo(f"kvfence: {name} exited with code {rc}; stopping the stack", err=True)
+        return int(rc or 1)
+    except StackError as e:
+        click.echo(f"kvfence: the stack did not start: {e}", err=True)
+        return 1
+    except KeyboardInterrupt:
+        click.echo("kvfence: interrupted; stopping the router and every worker", err=True)
+        return 0
+    finally:
+        stack.stop()
 
 
 def _announce(stack: Any, tenants: TenantRegistry) -> None:
