@@ -8,8 +8,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -28,10 +30,22 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["The quick brown fox", "Tenant isolation holds by construction.", "KV pages " * 20, "a"]
 
 
-def _single_process_texts(checkpoint: Path) -> list[str]:
+def _single_process_texts(
+    checkpoint: Path,
+    *,
+    prompts: Sequence[str] = PROMPTS,
+    complete: Callable[[openai.OpenAI, str, str], Any] | None = None,
+    context_length: int | None = None,
+    pages: int = 512,
+) -> list[Any]:
+    """Each prompt's greedy answer (`complete`, by default its text) from one process."""
     parts = build_local(
-        checkpoint, kind="llama", pools=PoolSizes(prefill_pages=512, decode_pages=512)
+        checkpoint,
+        kind="llama",
+        context_length=context_length,
+        pools=PoolSizes(prefill_pages=pages, decode_pages=pages),
     )
+    complete = complete or _complete
     tenants = TenantRegistry.generate(("a",))
     app = create_app(parts.pipeline, parts.loaded.tokenizer, parts.config, tenants)
     parts.pipeline.start()
@@ -40,7 +54,7 @@ def _single_process_texts(checkpoint: Path) -> list[str]:
             client = openai.OpenAI(
                 base_url=f"{srv.url}/v1", api_key=tenants.tenants[0].keys[0], max_retries=0
             )
-            return [_complete(client, checkpoint.name, p) for p in PROMPTS]
+            return [complete(client, checkpoint.name, p) for p in prompts]
     finally:
         parts.pipeline.stop()
 
