@@ -72,8 +72,31 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+class Served:
+    """A `kvfence serve` process on a port it bound itself (port 0: no free-port race); its URL
+    from the line it prints once it listens."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.proc, self.log = proc, log
+        self._url: str | None = None
+
+    def url(self, timeout_s: float = 240.0) -> str:
+        end = time.monotonic() + timeout_s
+        while self._url is None:
+            if m := re.search(r"kvfence serving \S+ at (http://\S+)", self.log.read_text()):
+                self._url = m.group(1)
+                break
+            assert self.proc.poll() is None and time.monotonic() < end, self.log.read_text()
+            time.sleep(0.3)
+        return self._url
+
+    @property
+    def port(self) -> int:
+        return int(self.url().rsplit(":", 1)[1])
+
+
 @contextmanager
-def kvfence_serve(tmp: Path, name: str, port: int, args: tuple[str, ...]) -> Iterator[str]:
+def kvfence_serve(tmp: Path, name: str, args: tuple[str, ...], port: int = 0) -> Iterator[Served]:
     tenants = tmp / "tenants.json"
     tenants.write_text(
         json.dumps(
@@ -85,10 +108,11 @@ def kvfence_serve(tmp: Path, name: str, port: int, args: tuple[str, ...]) -> Ite
     )
     cmd = [sys.executable, "-c", "from kvfence.cli import main; main()", "serve"]
     cmd += ["--port", str(port), "--tenants", str(tenants), *COMMON, *args]
-    with open(tmp / f"{name}.log", "ab") as log:
+    log_path = tmp / f"{name}.log"
+    with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield Served(proc, log_path)
     finally:
         stop(proc)
 
@@ -138,25 +162,33 @@ def prometheus(tmp: Path, guard_url: str) -> Iterator[str]:
         "scrape_configs:\n"
         f"  - job_name: kvfence-guard\n    static_configs: [{{targets: ['{guard_url[7:]}']}}]\n"
     )
-    port = free_port()
-    cmd = [binary, f"--config.file={tmp / 'prometheus.yml'}"]
-    cmd += [f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"]
-    with open(tmp / "prometheus.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
+    for _ in range(5):  # a free port can be taken before Prometheus binds it: try another
+        port = free_port()
+        cmd = [binary, f"--config.file={tmp / 'prometheus.yml'}"]
+        cmd += [f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"]
+        log_path = tmp / "prometheus.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
-        wait_ready(url)
-        yield url
-    finally:
-        stop(proc)
+        try:
+            if wait_ready(url, proc):
+                yield url
+                return
+        finally:
+            stop(proc)
+        assert "address already in use" in log_path.read_text(), log_path.read_text()
+    raise AssertionError("prometheus found no free port in 5 tries")
 
 
-def wait_ready(url: str) -> None:
+def wait_ready(url: str, proc: subprocess.Popen[bytes]) -> bool:
+    """True once Prometheus answers ready; False if it exited (its log says why)."""
     end = time.monotonic() + 60
     while time.monotonic() < end:
+        if proc.poll() is not None:
+            return False
         try:
             if httpx.get(url + "/-/ready", timeout=2).status_code == 200:
-                return
+                return True
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
@@ -208,20 +240,21 @@ def test_shipped_rules_pass_promtool() -> None:
 @pytest.mark.timeout(720)
 def test_alerts_fire_in_a_real_prometheus(tmp_path: Path) -> None:
     require_prometheus()
-    ports = {name: free_port() for name in ("hardened", "lab", "resized")}
-    dirs = {name: tmp_path / name for name in ports}
+    dirs = {name: tmp_path / name for name in ("hardened", "lab", "resized")}
     for d in dirs.values():
         d.mkdir()
     with ExitStack() as stack:
-        hardened = stack.enter_context(
-            kvfence_serve(dirs["hardened"], "h", ports["hardened"], HARDENED)
-        )
-        lab = stack.enter_context(kvfence_serve(dirs["lab"], "l", ports["lab"], LAB))
+        # All three start at once (each binds its own port), then each URL is read.
+        started = [
+            stack.enter_context(kvfence_serve(dirs["hardened"], "h", HARDENED)),
+            stack.enter_context(kvfence_serve(dirs["lab"], "l", LAB)),
+        ]
         resized_run = ExitStack()
-        resized = resized_run.enter_context(
-            kvfence_serve(dirs["resized"], "r1", ports["resized"], RESIZED_BEFORE)
-        )
         stack.callback(resized_run.close)
+        started.append(
+            resized_run.enter_context(kvfence_serve(dirs["resized"], "r1", RESIZED_BEFORE))
+        )
+        hardened, lab, resized = (s.url() for s in started)
         for url in (hardened, lab, resized):
             wait_healthy(url)
         g = stack.enter_context(guard(tmp_path, [hardened, lab, resized]))
@@ -237,9 +270,10 @@ def test_alerts_fire_in_a_real_prometheus(tmp_path: Path) -> None:
         resized_run.close()
         resized_run = ExitStack()
         stack.callback(resized_run.close)
+        # The same port again: the guard watches a URL (a port taken meanwhile fails here).
         resized_run.enter_context(
-            kvfence_serve(dirs["resized"], "r2", ports["resized"], RESIZED_AFTER)
-        )
+            kvfence_serve(dirs["resized"], "r2", RESIZED_AFTER, port=started[2].port)
+        ).url()
         wait_healthy(resized)
         resize_s = alerts.wait_firing(
             {("KVPoolBelowContext", resized), ("CapacityFactsChanged", resized)}, 60
@@ -253,9 +287,10 @@ def test_alerts_fire_in_a_real_prometheus(tmp_path: Path) -> None:
         assert alpha == pytest.approx(1 / (30 * 86400))
         p = {u: scalar(prom, f'min_over_time(kvfence_guard_prefill_p_value{{target="{u}"}}[10m])')
              for u in (hardened, lab)}  # fmt: skip
-        assert p[lab] is not None and p[lab] < alpha
+        p_lab = p[lab]
+        assert p_lab is not None and alpha is not None and p_lab < alpha
     # The hardened engine, watched over the same window, fired nothing (not even pending).
     assert [s for s in alerts.seen if s[1] == hardened] == []
     assert ("GuardDown", "", "firing") not in alerts.seen
     print(f"lab alerts after {lab_s:.1f} s, resize {resize_s:.1f} s, stop {down_s:.1f} s")
-    print(f"smallest timing p: lab {p[lab]:.2g}, hardened {p[hardened]} (alpha {alpha:.2g})")
+    print(f"smallest timing p: lab {p_lab:.2g}, hardened {p[hardened]} (alpha {alpha:.2g})")
