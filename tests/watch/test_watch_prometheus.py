@@ -198,8 +198,8 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes]) -> bool:
 class Alerts:
     """Polls /api/v1/alerts; remembers every (alert, target) ever seen pending or firing."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, url: str, guard_log: Path) -> None:
+        self.url, self.guard_log = url, guard_log
         self.seen: set[tuple[str, str, str]] = set()
 
     def poll(self) -> set[tuple[str, str]]:
@@ -220,7 +220,14 @@ class Alerts:
             if wanted <= firing:
                 return time.monotonic() - t0
             time.sleep(0.5)
-        raise AssertionError(f"not firing after {timeout_s} s: {wanted - firing}; firing: {firing}")
+        # What the guard said went wrong (facts unknown, probe failures), for the diagnosis.
+        marks = ("unknown", "probe failed", "error")
+        lines = self.guard_log.read_text().splitlines()
+        said = [ln for ln in lines if any(m in ln.lower() for m in marks)][-12:]
+        raise AssertionError(
+            f"not firing after {timeout_s} s: {wanted - firing}; firing: {firing}; "
+            "the guard's last complaints:\n" + "\n".join(said)
+        )
 
 
 def scalar(url: str, expr: str) -> float | None:
@@ -259,7 +266,7 @@ def test_alerts_fire_in_a_real_prometheus(tmp_path: Path) -> None:
             wait_healthy(url)
         g = stack.enter_context(guard(tmp_path, [hardened, lab, resized]))
         prom = stack.enter_context(prometheus(tmp_path, g))
-        alerts = Alerts(prom)
+        alerts = Alerts(prom, tmp_path / "guard.log")
         # The lab: signal 1, 2 and 3 all fire. Signal 3 needs evidence at the guard's per-test
         # alpha (~3.9e-7 at a 1 s interval): about 25 rounds of its timing probes, longer when
         # the machine is loaded and half the placeholder answers queue past the floor.
