@@ -198,9 +198,19 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes]) -> bool:
 class Alerts:
     """Polls /api/v1/alerts; remembers every (alert, target) ever seen pending or firing."""
 
-    def __init__(self, url: str, guard_log: Path) -> None:
-        self.url, self.guard_log = url, guard_log
+    def __init__(self, url: str, guard_log: Path, servers: dict[str, Served]) -> None:
+        self.url, self.guard_log, self.servers = url, guard_log, servers
         self.seen: set[tuple[str, str, str]] = set()
+
+    def servers_state(self) -> str:
+        """Each watched server: running, or its exit code and last log lines (a target that
+        died reads as facts unknown, and the guard cannot tell why)."""
+        out = []
+        for name, srv in self.servers.items():
+            rc = srv.proc.poll()
+            tail = "" if rc is None else ": " + " | ".join(srv.log.read_text().splitlines()[-5:])
+            out.append(f"{name} {'running' if rc is None else f'exited {rc}'}{tail}")
+        return "; ".join(out)
 
     def poll(self) -> set[tuple[str, str]]:
         data = httpx.get(self.url + "/api/v1/alerts", timeout=5).json()["data"]["alerts"]
@@ -226,7 +236,7 @@ class Alerts:
         said = [ln for ln in lines if any(m in ln.lower() for m in marks)][-12:]
         raise AssertionError(
             f"not firing after {timeout_s} s: {wanted - firing}; firing: {firing}; "
-            "the guard's last complaints:\n" + "\n".join(said)
+            f"servers: {self.servers_state()}; the guard's last complaints:\n" + "\n".join(said)
         )
 
 
@@ -266,7 +276,8 @@ def test_alerts_fire_in_a_real_prometheus(tmp_path: Path) -> None:
             wait_healthy(url)
         g = stack.enter_context(guard(tmp_path, [hardened, lab, resized]))
         prom = stack.enter_context(prometheus(tmp_path, g))
-        alerts = Alerts(prom, tmp_path / "guard.log")
+        names = dict(zip(("hardened", "lab", "resized"), started, strict=True))
+        alerts = Alerts(prom, tmp_path / "guard.log", names)
         # The lab: signal 1, 2 and 3 all fire. Signal 3 needs evidence at the guard's per-test
         # alpha (~3.9e-7 at a 1 s interval): about 25 rounds of its timing probes, longer when
         # the machine is loaded and half the placeholder answers queue past the floor.
@@ -278,9 +289,11 @@ def test_alerts_fire_in_a_real_prometheus(tmp_path: Path) -> None:
         resized_run = ExitStack()
         stack.callback(resized_run.close)
         # The same port again: the guard watches a URL (a port taken meanwhile fails here).
-        resized_run.enter_context(
+        r2 = resized_run.enter_context(
             kvfence_serve(dirs["resized"], "r2", RESIZED_AFTER, port=started[2].port)
-        ).url()
+        )
+        r2.url()
+        alerts.servers["resized"] = r2
         wait_healthy(resized)
         resize_s = alerts.wait_firing(
             {("KVPoolBelowContext", resized), ("CapacityFactsChanged", resized)}, 60
