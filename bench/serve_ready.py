@@ -45,8 +45,14 @@ def _env(src: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(src)}
 
 
-def time_serve(src: Path) -> tuple[float, float, float]:
-    """(url_s, ready_s, first_completion_s) of one `kvfence serve` from `src`."""
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) a live process has used so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def time_serve(src: Path) -> tuple[float, float, float, float]:
+    """(url_s, ready_s, first_completion_s, ready_cpu_s) of one `kvfence serve` from `src`."""
     start = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvfence", "serve", "--port", "0"],
@@ -65,6 +71,7 @@ def time_serve(src: Path) -> tuple[float, float, float]:
             except httpx.HTTPError:
                 time.sleep(0.005)
         ready_s = time.perf_counter() - start
+        ready_cpu = cpu_s(proc.pid)
         body = {"model": "tiny-seed0", "prompt": "Hello", "max_tokens": 4}
         r = httpx.post(
             url + "/v1/completions",
@@ -74,7 +81,7 @@ def time_serve(src: Path) -> tuple[float, float, float]:
         )
         if r.status_code != 200 or not r.json()["choices"][0]["text"]:
             raise SystemExit(f"first completion from {src}: HTTP {r.status_code} {r.text[:300]}")
-        return url_s, ready_s, time.perf_counter() - start
+        return url_s, ready_s, time.perf_counter() - start, ready_cpu
     finally:
         proc.terminate()
         proc.wait(timeout=30)
