@@ -88,8 +88,7 @@ class PrefixSharingCheck(Check):
         dropped, _ = dropped_routes(facts)
         on = dropped is not None and self.config.salt != "off"
         routes = self.config.salt_routes if on else ()
-        cfg = self._sized(ctx, len(runs) + len(routes))
-        scale = evidence_scale(cfg.design, self.config.design)  # a stricter level: longer prefix
+        cfg, scale = self._sized(ctx, len(runs) + len(routes))
         prefix_len, how = prefix_length(cfg, facts, ctx.context_override, scale)
         if prefix_len is None:
             return self.result(target, Verdict.INCONCLUSIVE, how, {"facts": facts.to_json()})
@@ -121,12 +120,14 @@ class PrefixSharingCheck(Check):
         out = self.result(target, worst(verdicts), "; ".join(summaries), evidence, plots)
         return _with_alpha(out, ran, cfg, len(runs) + len(routes))
 
-    def _sized(self, ctx: AuditContext, n_runs: int) -> PrefixSharingConfig:
-        """The audit's share, split over the runs, in a design that can reach it."""
-        if self.own_alpha:  # an explicit design keeps its alpha
-            return self.config
-        share = ctx.alpha_for(self.name) / max(1, n_runs)
-        return replace(self.config, design=sequential_design_for(self.config.design, share))
+    def _sized(self, ctx: AuditContext, n_runs: int) -> tuple[PrefixSharingConfig, float]:
+        """The audit's share, split over the runs, in a design that can reach it; and the
+        factor the prefix grows by for that level (`alpha.evidence_scale`)."""
+        cfg = self.config
+        if not self.own_alpha:  # an explicit design keeps its alpha
+            share = ctx.alpha_for(self.name) / max(1, n_runs)
+            cfg = replace(cfg, design=sequential_design_for(cfg.design, share))
+        return cfg, evidence_scale(cfg.design, self.config.design)
 
     def _one_run(
         self,

@@ -179,10 +179,8 @@ class SequentialKS:
         return self.result
 
     def finish(self) -> SequentialResult | None:
-        """The result once the trials are spent: the last look's, or (when lost samples kept
-        a batch below ``min_per_arm``, so fewer looks were taken than planned) a final look on
-        what exists — at most the planned looks were taken, so the split still holds. None
-        only when an arm is empty."""
+        """The result once the trials are spent: the last look's, or (lost samples kept a batch
+        under ``min_per_arm``: a look short) a final look on what exists. None: an arm empty."""
         if self.result is not None:
             return self.result
         if not self.x or not self.y:
