@@ -44,7 +44,7 @@ def test_a_stricter_level_asks_for_a_longer_prefix_within_the_limit() -> None:
     real vLLM's 1,024-token prefix left one audit in three inconclusive on a loaded machine."""
     from kvfence.audit.alpha import REFERENCE_SHARE, evidence_scale, sequential_design_for
 
-    cfg = PrefixSharingConfig()  # the check's defaults: 8 pages, at least 256 tokens
+    cfg = PrefixSharingConfig()  # the check's defaults: 16 pages, at least 256 tokens
     base = cfg.design
     default = sequential_design_for(base, REFERENCE_SHARE)
     assert evidence_scale(default, base) == 1.0  # the default audit's prompts are unchanged
@@ -52,18 +52,20 @@ def test_a_stricter_level_asks_for_a_longer_prefix_within_the_limit() -> None:
     strict = sequential_design_for(base, 5e-10)  # --alpha 1e-9, unsalted + salted runs
     scale = evidence_scale(strict, base)
     assert 2.3 < scale < 2.5
-    assert evidence_scale(sequential_design_for(base, 1e-12), base) > scale  # monotone
-    # vLLM CPU (128-token blocks, max_model_len 4096): 19 blocks instead of 8.
-    assert prefix_length(cfg, _facts(4095, 128), None, 1.0)[0] == 1024
+    assert evidence_scale(sequential_design_for(base, 1e-12), base) > 3  # monotone
+    # vLLM CPU (128-token blocks, max_model_len 4096): 16 blocks; 32 wanted at 1e-9, 31 fit.
+    assert prefix_length(cfg, _facts(4095, 128), None, 1.0)[0] == 2048
     n, how = prefix_length(cfg, _facts(4095, 128), None, scale)
-    assert n == 19 * 128 and "2.40 x the default" in how
+    assert n == 31 * 128 and "2 x the default" in how
     # Always within the longest accepted prompt, in whole pages, with room for the suffix.
     assert prefix_length(cfg, _facts(2047, 128), None, scale)[0] == 1920
     assert prefix_length(cfg, _facts(511, 16), None, scale)[0] == 496
-    # Small pages: the minimum length grows by the same whole-page factor (256 x 19 / 8).
-    assert prefix_length(cfg, _facts(4095, 16), None, scale)[0] == 608
-    # A level a little below the default's (more runs share it) keeps the default's pages.
+    # Small pages: the minimum length grows by the same whole multiple; 3 x at 1e-12.
+    assert prefix_length(cfg, _facts(4095, 16), None, scale)[0] == 512
+    assert prefix_length(cfg, _facts(4095, 16), None, 3.05)[0] == 768
+    # A level a little below the default's (more runs share it) keeps the default's prompts.
     assert prefix_length(cfg, _facts(4095, 16), None, 1.1)[0] == 256
+    assert prefix_length(cfg, _facts(8191, 128), None, 1.9)[0] == 2048
 
 
 def _arms(shared: list[float], fresh: list[float]) -> Arms:

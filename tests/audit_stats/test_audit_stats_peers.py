@@ -68,8 +68,8 @@ def test_vllm_default_fails_prefix_sharing_and_cache_salt_isolates(vllm: PeerSer
     assert res.verdict is Verdict.FAIL, res.summary
     unsalted, salted = res.evidence["unsalted"], res.evidence["salted"]
     assert unsalted["cross_tenant_cached_hits"] >= 1
-    # Whole 128-token blocks of the 1,024-token prefix come back from B's "cache".
-    assert res.evidence["prefix_tokens"] == 1024
+    # Whole 128-token blocks of the prefix (16 blocks, 15 fit max_model_len 2048) come back.
+    assert res.evidence["prefix_tokens"] == 1920
     assert unsalted["cross_tenant_hit_examples"][0]["cached_tokens"] >= 128
     assert salted["verdict"] == "pass", salted
     assert salted["cross_tenant_cached_hits"] == 0
@@ -101,7 +101,7 @@ def test_vllm_fails_prefix_sharing_at_alpha_1e_9_by_timing_alone(vllm: PeerServe
         res = run_check(PrefixSharingCheck(cfg, audit_alpha=True), ctx, VllmTarget(vllm.url))
     assert res.verdict is Verdict.FAIL, res.summary
     assert res.p_value is not None and res.p_value < 1e-9 and res.alpha == pytest.approx(1e-9)
-    # 19 of vLLM's 128-token blocks (8 at the default alpha), within max_model_len 2048.
+    # 2 x 16 of vLLM's 128-token blocks wanted; 15 fit max_model_len 2048.
     assert res.evidence["prefix_tokens"] == 1920 and res.evidence["prefix_evidence_scale"] > 2
     print(f"\nvLLM at 1e-9: p = {res.p_value:.2e} after {res.evidence['requests']} requests")
 

@@ -25,8 +25,8 @@ grows with the prefix (a hit skips its whole prefill; the noise is the HTTP
 path's, the same at any length), so the prefix also grows with the evidence
 asked for: `evidence_scale` is the ratio of the design's per-look level to the
 reference's, in log terms (the KS tail is exp(-D^2 n), so -log alpha is the
-evidence a look needs), and the prefix takes that many times its default pages,
-within the target's longest prompt. At the default alpha (or a larger one) the
+evidence a look needs), and the prefix takes that many times its default length
+(whole multiples), within the target's longest prompt. At the default alpha (or a larger one) the
 scale is 1: the default audit's prompts are unchanged.
 """
 

@@ -255,8 +255,8 @@ def prefix_length(
     page = facts.page_size.as_int()
     page_src = facts.page_size.source if page else f"default page {cfg.default_page}"
     page = page or cfg.default_page
-    pages = max(cfg.prefix_pages, int(cfg.prefix_pages * scale))
-    want = max(pages * page, cfg.min_prefix_tokens * pages // cfg.prefix_pages)
+    times = max(1, int(scale))  # whole multiples: a level near the default's keeps its prompts
+    want = max(cfg.prefix_pages * page, cfg.min_prefix_tokens) * times
     want = -(-want // page) * page  # whole pages: caches share whole pages only
     limit = facts.input_limit(context_override).as_int()
     if limit is None:
@@ -266,7 +266,7 @@ def prefix_length(
         return None, f"longest accepted prompt {limit} is shorter than one page ({page})"
     if want > room:
         want = (room // page) * page
-    grown = f", {scale:.2f} x the default's for the level asked" if scale > 1 else ""
+    grown = f", {times} x the default's for the level asked" if times > 1 else ""
     return want, f"{want // page} pages of {page} tokens ({page_src}{grown}); limit {limit}"
 
 

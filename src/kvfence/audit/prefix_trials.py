@@ -38,7 +38,7 @@ class PrefixSharingConfig:
       deployment that sends salts there only.
     """
 
-    prefix_pages: int = 8
+    prefix_pages: int = 16
     min_prefix_tokens: int = 256
     default_page: int = 16
     suffix_tokens: int = 8
