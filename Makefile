@@ -6,12 +6,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint install clean peers browser pd prometheus
 
-$(STAMP): pyproject.toml constraints.txt src/kvfence/model/csrc/paged_decode.cpp
+$(STAMP): pyproject.toml constraints.txt $(wildcard src/kvfence/model/csrc/*.cpp)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# constraints.txt pins the CPU torch 2.13.0 that lies on disk (never the CUDA build).
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev,pd]'
-	# The C++ paged decode kernel (g++ -fopenmp; seconds): kvfence/model/paged_cpu.py.
+	# The C++ kernels (paged decode, small linear; g++ -fopenmp; seconds): kvfence/model/paged_cpu.py.
 	@command -v g++ >/dev/null || { sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q g++; }
 	$(BIN)/python -m kvfence.model.paged_cpu build

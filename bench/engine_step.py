@@ -20,7 +20,16 @@ and one result line:
   engine_mixed preset=... mixed_tok_s=... separate_tok_s=... ratio=... forwards ...
   ttft_p50_ms ... load1=...
 
+With `--compare ledger`: the same decode steps with the I1 ledger check on
+(production) vs the lab's `no-ledger-check` fault; `--compare linear`: the
+few-token linear kernel vs torch's linear. At each `--levels` row count the
+two alternate `--repeats` times (order flipped each repeat), medians compared:
+
+  engine_compare preset=... rows=... ledger_step_ms=... no-ledger_step_ms=...
+  cost_of_ledger=...% load1=...
+
 Usage: python bench/engine_step.py [--preset tiny|smollm] [--threads N]
+       python bench/engine_step.py --compare ledger|linear [--preset smollm] [--threads 2]
        python bench/engine_step.py --mixed [--preset smollm] [--requests 24] [--concurrency 16]
 """
 
@@ -42,6 +51,8 @@ from kvfence.engine.backend import GenerateWork
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.messages import Failure, SamplingParams
 from kvfence.engine.pipeline import CollectingSink, LocalPipeline
+from kvfence.faults import Fault, FaultSet
+from kvfence.model.linear_cpu import CPULinear
 from kvfence.model.loader import load_model
 from kvfence.model.tiny import make_tiny_checkpoint
 from kvfence.serve.transfer.link import inprocess_link
@@ -169,40 +180,28 @@ def mixed_vs_separate(args: argparse.Namespace) -> None:
     )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--rows", type=int, default=16)
-    ap.add_argument("--mixed", action="store_true", help="mixed batches vs separate forwards")
-    ap.add_argument("--requests", type=int, default=24)
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    if args.mixed:
-        mixed_vs_separate(args)
-        return
-    torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as d:
-        make_tiny_checkpoint(d, preset=args.preset)
-        loaded = load_model(d, kind="llama")
-    pages = 13 * args.rows  # 128 prompt + 64 output tokens = 12 pages per request, plus slack
-    # Decode steps alone (all 16 rows run once prefill is done): the two-forward path.
+@dataclasses.dataclass(slots=True)
+class _Steps:
+    step_ms: float  # median decode step with every row running
+    forward_ms: float  # the model's forward inside those steps
+    build_ms: float
+    steps: int
+
+
+def decode_steps(
+    model: torch.nn.Module, geometry: Any, rows: int, faults: FaultSet, vocab: int
+) -> _Steps:
+    """`rows` requests (128-token prompts, 64 greedy tokens) through the pipeline; decode steps timed."""
+    pages = 13 * rows  # 128 prompt + 64 output tokens = 12 pages per request, plus slack
+    # Decode steps alone (all rows run once prefill is done): the two-forward path.
     config = EngineConfig(
-        prefill_pages=pages,
-        decode_pages=pages,
-        page_size=16,
-        max_running=args.rows,
+        prefill_pages=pages, decode_pages=pages, page_size=16, max_running=rows,
         mixed_batches=False,
-    )
-    timed = TimedModel(loaded.model)
-    geometry = loaded.config.kv_geometry(page_size=16)
-    pipe = LocalPipeline(timed, geometry, config, kv_link=inprocess_link)  # type: ignore[arg-type]
+    )  # fmt: skip
+    timed = TimedModel(model)
+    pipe = LocalPipeline(timed, geometry, config, faults, kv_link=inprocess_link)  # type: ignore[arg-type]
     g = torch.Generator().manual_seed(1)
-    vocab = loaded.config.vocab_size
-    for i in range(args.rows):
+    for i in range(rows):
         prompt = tuple(torch.randint(3, vocab, (128,), generator=g).tolist())
         sampling = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
         pipe.submit(
@@ -213,7 +212,7 @@ def main() -> None:
     decode_step = pipe.decode.step
 
     def timed_step() -> None:
-        full = len(pipe.decode.running) == args.rows
+        full = len(pipe.decode.running) == rows
         t0 = time.perf_counter()
         decode_step()
         if full:
@@ -229,19 +228,91 @@ def main() -> None:
         builds.append(time.perf_counter() - t0)
         return out
 
-    runner_module.build_forward_batch = timed_build  # type: ignore[assignment]
+    runner_module.build_forward_batch = timed_build
     pipe.decode.step = timed_step  # type: ignore[method-assign]
-    pipe.drive()
+    try:
+        pipe.drive()
+    finally:
+        runner_module.build_forward_batch = real_build
     pipe.check_integrity()
-    step_ms = statistics.median(steps) * 1e3
-    fwd_ms = statistics.median(forwards) * 1e3
-    over = step_ms - fwd_ms
-    build_ms = statistics.median(builds) * 1e3
+    return _Steps(
+        statistics.median(steps) * 1e3,
+        statistics.median(forwards) * 1e3,
+        statistics.median(builds) * 1e3,
+        len(steps),
+    )
+
+
+def compare(args: argparse.Namespace, loaded: Any) -> None:
+    """Decode steps at each `--levels` row count: A vs B interleaved, medians, ratio B/A."""
+    model, geometry = loaded.model, loaded.config.kv_geometry(page_size=16)
+    vocab = loaded.config.vocab_size
+    kernel_linear, torch_linear = model.linear, CPULinear(kernel=False)
+    variants: dict[str, tuple[FaultSet, CPULinear]] = (
+        {"ledger": (FaultSet(), kernel_linear),
+         "no-ledger": (FaultSet.of(Fault.NO_LEDGER_CHECK), kernel_linear)}
+        if args.compare == "ledger"
+        else {"kernel": (FaultSet(), kernel_linear), "torch": (FaultSet(), torch_linear)}
+    )  # fmt: skip
+    load0 = os.getloadavg()[0]
+    for rows in args.levels:
+        ms: dict[str, list[float]] = {name: [] for name in variants}
+        for rep in range(args.repeats):
+            order = list(variants) if rep % 2 == 0 else list(variants)[::-1]
+            for name in order:
+                faults, linear = variants[name]
+                model.linear = linear
+                ms[name].append(decode_steps(model, geometry, rows, faults, vocab).step_ms)
+        a, b = (statistics.median(ms[n]) for n in variants)
+        na, nb = variants
+        print(
+            f"engine_compare preset={args.preset} threads={args.threads} rows={rows} "
+            f"repeats={args.repeats} {na}_step_ms={a:.2f} {nb}_step_ms={b:.2f} "
+            f"{na}_tok_s={rows * 1e3 / a:.1f} {nb}_tok_s={rows * 1e3 / b:.1f} "
+            f"cost_of_{na}={100 * (a / b - 1):+.2f}% load1={load0:.2f}->{os.getloadavg()[0]:.2f}",
+            flush=True,
+        )
+    model.linear = kernel_linear
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--mixed", action="store_true", help="mixed batches vs separate forwards")
+    ap.add_argument(
+        "--compare",
+        choices=("ledger", "linear"),
+        help="decode steps with the I1 ledger check on vs the lab's no-ledger-check, or the "
+        "few-token linear kernel vs torch's linear, interleaved at each of --levels",
+    )
+    ap.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.mixed:
+        mixed_vs_separate(args)
+        return
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as d:
+        make_tiny_checkpoint(d, preset=args.preset)
+        loaded = load_model(d, kind="llama")
+    if args.compare:
+        compare(args, loaded)
+        return
+    geometry = loaded.config.kv_geometry(page_size=16)
+    r = decode_steps(loaded.model, geometry, args.rows, FaultSet(), loaded.config.vocab_size)
+    over = r.step_ms - r.forward_ms
     print(
-        f"engine_step preset={args.preset} rows={args.rows} steps={len(steps)} "
-        f"step_ms={step_ms:.3f} forward_ms={fwd_ms:.3f} overhead_ms={over:.3f} "
-        f"(batch_build_ms={build_ms:.3f} scheduler+sampler_ms={over - build_ms:.3f}) "
-        f"overhead_pct={100 * over / step_ms:.1f} forward/step={fwd_ms / step_ms:.3f}"
+        f"engine_step preset={args.preset} rows={args.rows} steps={r.steps} "
+        f"step_ms={r.step_ms:.3f} forward_ms={r.forward_ms:.3f} overhead_ms={over:.3f} "
+        f"(batch_build_ms={r.build_ms:.3f} scheduler+sampler_ms={over - r.build_ms:.3f}) "
+        f"overhead_pct={100 * over / r.step_ms:.1f} forward/step={r.forward_ms / r.step_ms:.3f} "
+        f"load1={os.getloadavg()[0]:.2f}"
     )
 
 

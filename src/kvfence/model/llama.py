@@ -20,6 +20,7 @@ from kvfence.kv.pool import KVPool
 from kvfence.model.attention import AttentionBackend, AttentionPlan, begin_step, get_backend
 from kvfence.model.base import CausalLM, ForwardBatch
 from kvfence.model.config import ModelConfig, RopeScaling
+from kvfence.model.linear_cpu import CPULinear
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -94,7 +95,8 @@ class DecoderLayer(torch.nn.Module):
         c = model.config
         t = x.shape[0]
         h = rms_norm(x, self.input_norm, c.rms_norm_eps)
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
+        linear = model.linear
+        qkv = linear(h, self.qkv_weight, self.qkv_bias)
         # q and k are adjacent in the fused projection: rotate them in one go.
         qk = apply_rope(
             qkv[:, : self.q_size + self.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim),
@@ -112,10 +114,10 @@ class DecoderLayer(torch.nn.Module):
                     for p in parts
                 ]
             )
-        x = x + F.linear(o, self.o_weight, self.o_bias)
+        x = x + linear(o, self.o_weight, self.o_bias)
         h = rms_norm(x, self.post_norm, c.rms_norm_eps)
-        gate, up = F.linear(h, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        gate, up = linear(h, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down_weight, self.down_bias)
 
     def _attend(
         self, model: LlamaModel, part: _Part, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -155,11 +157,13 @@ class LlamaModel(CausalLM):
         *,
         dtype: torch.dtype = torch.float32,
         backend: AttentionBackend | None = None,
+        linear: CPULinear | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.backend = backend or get_backend("cpu")
+        self.linear = linear or CPULinear()
         self.scale = config.head_dim**-0.5
         self.embed = _param(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
         self.layers = torch.nn.ModuleList(
@@ -238,7 +242,7 @@ class LlamaModel(CausalLM):
             rows = [p.logit_rows() for p in steps]
             x = rms_norm(x[torch.cat(rows)], self.norm, self.config.rms_norm_eps)
             head = self.embed if self.lm_head is None else self.lm_head
-            logits = F.linear(x, head).float()
+            logits = self.linear(x, head).float()
             return list(logits.split([r.numel() for r in rows]))
 
     def _plan(self, parts: Sequence[tuple[ForwardBatch, KVPool]]) -> list[_Part]:

@@ -7,9 +7,10 @@ layer and step (that copy moved about as many bytes as the weights at
 concurrency 16). It runs after `attention.begin_step` has verified every page
 table against the ledger (I1), and reads nothing the table does not name.
 
-`make install` builds it (`python -m kvfence.model.paged_cpu build`) into
-`$KVFENCE_EXT_DIR` (default: `<venv>/share/kvfence`), named by a hash of its
-source and flags so a stale build is never loaded. Without a C++ compiler the
+`make install` builds it (`python -m kvfence.model.paged_cpu build`), with
+the few-token linear kernel (`model.linear_cpu`), into one library in
+`$KVFENCE_EXT_DIR` (default: `<venv>/share/kvfence`), named by a hash of the
+sources and flags so a stale build is never loaded. Without a C++ compiler the
 engine uses the gather path (`CPUAttention` falls back and says so in the log).
 """
 
@@ -29,14 +30,17 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+SOURCES = tuple(
+    Path(__file__).parent / "csrc" / n for n in ("paged_decode.cpp", "small_linear.cpp")
+)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 
 def library_path() -> Path:
-    """Where the built library for this source and these flags lives."""
+    """Where the built library for these sources and these flags lives."""
     root = Path(os.environ.get("KVFENCE_EXT_DIR", Path(sys.prefix) / "share" / "kvfence"))
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    text = b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode()
+    digest = hashlib.sha256(text).hexdigest()[:12]
     return root / f"kvfence_paged_{digest}.so"
 
 
@@ -50,7 +54,7 @@ def build() -> Path:
         raise RuntimeError("no C++ compiler (g++) found: install g++ to build the paged kernel")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(tmp)], check=True)
+    subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", str(tmp)], check=True)
     tmp.replace(out)  # atomic: a concurrent loader sees the old state or the whole library
     return out
 
@@ -94,13 +98,19 @@ class PagedDecodeKernel:
 
 
 @functools.cache
-def load() -> PagedDecodeKernel | None:
-    """The built kernel, or None (logged once) when it was not built for this source."""
+def library() -> ctypes.CDLL | None:
+    """The built library, or None (logged once) when it was not built for these sources."""
     path = library_path()
     if not path.exists():
-        log.warning("paged decode kernel not built (%s); using the gather path", path)
+        log.warning("C++ kernels not built (%s); using the gather path and torch's linear", path)
         return None
-    return PagedDecodeKernel(ctypes.CDLL(str(path)))
+    return ctypes.CDLL(str(path))
+
+
+def load() -> PagedDecodeKernel | None:
+    """The paged decode kernel, or None when the library was not built."""
+    lib = library()
+    return None if lib is None else PagedDecodeKernel(lib)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,68 @@
+// out[M, N] = x[M, K] @ w[N, K]^T (+ bias) for the few-token steps of decode.
+//
+// At a handful of tokens a linear layer is bound by reading its weights once.
+// Each thread streams its own block of weight rows, four at a time, against
+// up to four tokens held in registers, so every weight byte is read once per
+// step. Built with paged_decode.cpp into one library (kvfence.model.paged_cpu)
+// and called through kvfence.model.linear_cpu; prefill-sized batches stay on
+// the BLAS path.
+#include <cstdint>
+
+namespace {
+
+// Rows n0..n0+3 of w against tokens m0..m0+MB-1 of x (1 <= MB <= 4).
+template <int MB>
+void tile(const float* x, const float* w, const float* bias, float* out, int64_t m0, int64_t n0,
+          int64_t N, int64_t K) {
+  const float* w0 = w + n0 * K;
+  const float* w1 = w0 + K;
+  const float* w2 = w1 + K;
+  const float* w3 = w2 + K;
+  const float* x0 = x + m0 * K;
+  const float* x1 = MB > 1 ? x0 + K : x0;
+  const float* x2 = MB > 2 ? x0 + 2 * K : x0;
+  const float* x3 = MB > 3 ? x0 + 3 * K : x0;
+  float a00 = 0, a01 = 0, a02 = 0, a03 = 0, a10 = 0, a11 = 0, a12 = 0, a13 = 0;
+  float a20 = 0, a21 = 0, a22 = 0, a23 = 0, a30 = 0, a31 = 0, a32 = 0, a33 = 0;
+#pragma omp simd reduction(+ : a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33)
+  for (int64_t k = 0; k < K; ++k) {
+    const float v0 = w0[k], v1 = w1[k], v2 = w2[k], v3 = w3[k];
+    const float y0 = x0[k];
+    a00 += v0 * y0; a01 += v1 * y0; a02 += v2 * y0; a03 += v3 * y0;
+    if (MB > 1) { const float y1 = x1[k]; a10 += v0 * y1; a11 += v1 * y1; a12 += v2 * y1; a13 += v3 * y1; }
+    if (MB > 2) { const float y2 = x2[k]; a20 += v0 * y2; a21 += v1 * y2; a22 += v2 * y2; a23 += v3 * y2; }
+    if (MB > 3) { const float y3 = x3[k]; a30 += v0 * y3; a31 += v1 * y3; a32 += v2 * y3; a33 += v3 * y3; }
+  }
+  const float acc[4][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23},
+                           {a30, a31, a32, a33}};
+  for (int i = 0; i < MB; ++i) {
+    float* o = out + (m0 + i) * N + n0;
+    for (int j = 0; j < 4; ++j) o[j] = acc[i][j] + (bias ? bias[n0 + j] : 0.0f);
+  }
+}
+
+}  // namespace
+
+extern "C" void kvf_small_linear(const float* x, const float* w, const float* bias, float* out,
+                                 int64_t M, int64_t N, int64_t K, int threads) {
+  const int64_t blocks = N / 4;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t nb = 0; nb < blocks; ++nb) {
+    const int64_t n0 = nb * 4;
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) tile<4>(x, w, bias, out, m, n0, N, K);
+    switch (M - m) {
+      case 3: tile<3>(x, w, bias, out, m, n0, N, K); break;
+      case 2: tile<2>(x, w, bias, out, m, n0, N, K); break;
+      case 1: tile<1>(x, w, bias, out, m, n0, N, K); break;
+      default: break;
+    }
+  }
+  for (int64_t n = blocks * 4; n < N; ++n) {  // the last N % 4 weight rows
+    for (int64_t m = 0; m < M; ++m) {
+      float a = 0.0f;
+      for (int64_t k = 0; k < K; ++k) a += w[n * K + k] * x[m * K + k];
+      out[m * N + n] = a + (bias ? bias[n] : 0.0f);
+    }
+  }
+}

@@ -1,0 +1,57 @@
+"""The few-token linear kernel: built at install, equal to torch's linear, torch's path where it is not fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvfence.model import linear_cpu
+
+
+def test_the_linear_kernel_is_built_for_this_source() -> None:
+    # `make install` builds it with the paged kernel; a missing build fails here.
+    assert linear_cpu.CPULinear().has_kernel
+    assert not linear_cpu.CPULinear(kernel=False).has_kernel
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 7, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_equals_torch_linear(tokens: int, bias: bool) -> None:
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, 96)
+    w = torch.randn(70, 96)  # 70 rows: 17 tiles of four and a remainder of two
+    b = torch.randn(70) if bias else None
+    got = linear_cpu.CPULinear()(x, w, b)
+    assert got.shape == (tokens, 70)
+    assert torch.allclose(got, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+def test_kernel_result_depends_on_every_weight_row() -> None:
+    # A kernel that skipped the remainder rows or a tile would leave them stale or zero.
+    x, w = torch.randn(3, 32), torch.randn(9, 32)
+    linear = linear_cpu.CPULinear()
+    base = linear(x, w)
+    for n in range(9):
+        bumped = w.clone()
+        bumped[n] += 1.0
+        changed = (linear(x, bumped) - base).abs().amax(dim=0) > 0
+        assert changed.tolist() == [i == n for i in range(9)]
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        torch.randn(linear_cpu.SMALL_TOKENS + 1, 24),  # prefill-sized: BLAS
+        torch.randn(24, 3).t(),  # not contiguous
+        torch.randn(2, 24, dtype=torch.float64),  # not float32
+    ],
+)
+def test_other_inputs_take_torch_linear(x: torch.Tensor) -> None:
+    w = torch.randn(8, 24, dtype=x.dtype)
+    assert torch.allclose(linear_cpu.CPULinear()(x, w), F.linear(x, w))
+
+
+def test_a_feature_mismatch_is_refused() -> None:
+    with pytest.raises(ValueError, match="8 features, weight expects 6"):
+        linear_cpu.CPULinear()(torch.randn(2, 8), torch.randn(4, 6))
