@@ -104,7 +104,9 @@ class LatencyCheck(Check):
             summary = f"{len(sweep.errors)} of {planned} timing probes failed; {summary}"
         plots = [result.plot] if result.plot is not None else []
         out = self.result(target, verdict, summary, evidence, plots)
-        out.p_value, out.alpha = result.p_value, level
+        # Bonferroni-adjusted over the sweeps the design allows: comparable with the check's alpha.
+        p = result.p_value
+        out.p_value, out.alpha = (None if p is None else min(1.0, p * cfg.sweeps)), alpha
         return out
 
 
