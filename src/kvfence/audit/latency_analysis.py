@@ -81,7 +81,10 @@ class LatencyConfig:
     per length; None sizes them so the design reaches alpha with ``slack``
     probes to spare (`repeats_for`). ``lengths`` overrides the sweep (else
     geometric from ``min_tokens`` to the longest accepted prompt, ``points``
-    lengths). ``long_quantile`` is reported, not judged.
+    lengths). ``long_quantile`` is reported, not judged. The live check runs up to
+    ``sweeps`` fresh sweeps, each tested alone at alpha / ``sweeps`` (Bonferroni: the
+    false-alarm rate stays <= alpha), the next only when one was ambiguous: inconclusive,
+    or a pass with p < ``recheck_below`` (a leak blurred by the machine's load).
     """
 
     tolerance_sigmas: float = 4.0
@@ -102,6 +105,8 @@ class LatencyConfig:
     max_error_fraction: float = 0.2
     token_range: tuple[int, int] = (100, 500)
     strict_physics: bool = False
+    sweeps: int = 2
+    recheck_below: float = 0.5
 
     def __post_init__(self) -> None:
         if self.tolerance_sigmas <= 0 or not 0 < self.skipped_fraction <= 1:
@@ -112,6 +117,8 @@ class LatencyConfig:
             raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
         if (self.repeats is not None and self.repeats < 1) or self.points < 3:
             raise ValueError("need repeats >= 1 and points >= 3")
+        if self.sweeps < 1 or not 0 < self.recheck_below <= 1:
+            raise ValueError("need sweeps >= 1 and 0 < recheck_below <= 1")
         if self.min_tokens < 1 or self.slack < 0 or self.max_repeats < 1:
             raise ValueError("need min_tokens >= 1, slack >= 0 and max_repeats >= 1")
 
