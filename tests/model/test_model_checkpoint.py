@@ -135,3 +135,17 @@ def test_bfloat16_weights_return_float32_logits(tiny_checkpoint: Path) -> None:
     pool = make_pool(loaded.config, 4)
     out = step(loaded.model, pool, [(new_seq(pool, [1, 2, 3], 8), 3)])
     assert out.dtype == torch.float32 and out.shape == (1, 512) and bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.k_proj.weight", "model.norm.weight"])
+def test_a_weight_of_the_wrong_shape_is_named(
+    tmp_path: Path, tiny_checkpoint: Path, name: str
+) -> None:
+    # A fused parameter (q+k+v) and a plain one: each part lands in its own rows, so a part
+    # of the wrong shape must be refused by name, never copied into a neighbour's rows.
+    d = _copy(tiny_checkpoint, tmp_path / "bad", skip=("model.safetensors",))
+    tensors = load_file(str(tiny_checkpoint / "model.safetensors"))
+    tensors[name] = tensors[name][:-1].clone()
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"weight .*{name}.* has shape"):
+        load_model(d)
