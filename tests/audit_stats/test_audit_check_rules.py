@@ -202,6 +202,11 @@ def test_designs_grow_until_their_most_extreme_outcome_reaches_alpha() -> None:
         rep = LatencyConfig().repeats_for(alpha)
         assert 2 * design_p_value(rep, rep, 4) < alpha <= 2 * design_p_value(rep - 1, rep - 1, 4)
     assert fisher_repeats_for(1e-3, 8) == 8  # never below the configured repeats
+    for alpha in (6.7e-5, 1e-9):  # one miss tolerated: r - 1 of r vs 0 of r reaches alpha
+        r = fisher_repeats_for(alpha, 1, misses=1)
+        assert math.comb(r, r - 1) / math.comb(2 * r, r - 1) < alpha
+        assert math.comb(r - 1, r - 2) / math.comb(2 * r - 2, r - 2) >= alpha
+    assert fisher_repeats_for(6.7e-5, 8) == 9 and fisher_repeats_for(6.7e-5, 8, misses=1) == 10
     assert LatencyConfig().repeats_for(1e-9 / 3) > LatencyConfig().repeats_for(1e-3 / 3)
 
 

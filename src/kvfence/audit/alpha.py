@@ -44,12 +44,22 @@ MAX_PER_ARM = 512
 REFERENCE_SHARE = DEFAULT_ALPHA / len(STATISTICAL_CHECKS) / 2
 
 
-def fisher_repeats_for(alpha: float, at_least: int) -> int:
-    """Repeats per arm so that one-sided Fisher on r vs r can reach alpha: 1 / C(2r, r) < alpha."""
-    r = max(1, at_least)
-    while 1 / math.comb(2 * r, r) >= alpha and r < MAX_PER_ARM:
+def fisher_repeats_for(alpha: float, at_least: int, misses: int = 0) -> int:
+    """Repeats per arm so that one-sided Fisher can reach alpha on r - misses vs r.
+
+    With none of the r baseline repeats diverging, r - m divergent repeats of r
+    under load is the most extreme table with that total, so its p-value is
+    C(r, r - m) / C(2r, r - m); `misses` = 0 gives 1 / C(2r, r).
+    """
+    r = max(1, at_least, misses + 1)
+    while _fisher_extreme(r, r - misses) >= alpha and r < MAX_PER_ARM:
         r += 1
     return r
+
+
+def _fisher_extreme(r: int, k: int) -> float:
+    """One-sided Fisher p of k of r under load vs 0 of r alone."""
+    return math.comb(r, k) / math.comb(2 * r, k)
 
 
 def sequential_design_for(design: SequentialDesign, alpha: float) -> SequentialDesign:

@@ -31,6 +31,8 @@ from kvfence.audit.noninterference_probes import Load, NoninterferenceConfig, Pr
 from kvfence.audit.stats import DivergenceTest, divergence_excess
 from kvfence.audit.targets.base import Target, TargetFacts
 
+NONINTERFERENCE_MISSES = 1  # divergent load repeats a leak may miss and still be caught
+
 __all__ = ["NoninterferenceCheck", "NoninterferenceConfig", "probe_lengths"]
 
 
@@ -77,9 +79,13 @@ class NoninterferenceCheck(Check):
         facts = target.facts(client_b)
         lengths, how = probe_lengths(self.config, facts, ctx.context_override)
         # The share of --alpha is split over len(lengths) + 1 tests; repeats grow until a
-        # probe that diverges every time under load and never alone can reach it.
+        # probe that diverges on all but one repeat under load and never alone reaches it:
+        # a single load repeat that misses A's page turnover must not hide a leak (the lab
+        # came out 8/9 on a loaded machine, a pass, when one missed was the limit).
         alpha = self.config.alpha or ctx.alpha_for(self.name)
-        repeats = fisher_repeats_for(alpha / (len(lengths) + 1), self.config.repeats)
+        repeats = fisher_repeats_for(
+            alpha / (len(lengths) + 1), self.config.repeats, misses=NONINTERFERENCE_MISSES
+        )
         cfg = replace(self.config, alpha=alpha, repeats=repeats)
         rng = random.Random(ctx.rng.random())
         lo, hi = cfg.token_range
