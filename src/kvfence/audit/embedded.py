@@ -11,10 +11,12 @@ below are the public `--lab-fault` command-line switches, not imports).
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -91,7 +93,7 @@ def started_all(
     every one is told to stop before any is waited for, so their shutdowns overlap."""
     procs: list[subprocess.Popen[bytes]] = []
     servers: list[EmbeddedServer] = []
-    with ExitStack() as logs:
+    with ExitStack() as logs, _terminate_unwinds():
         try:
             for name, args in specs:
                 workdir = root / name
@@ -106,6 +108,25 @@ def started_all(
             yield servers
         finally:
             _stop_all(procs)
+
+
+@contextmanager
+def _terminate_unwinds() -> Iterator[None]:
+    """SIGTERM raises SystemExit(143) while the servers run, so `started_all`'s clean-up
+    stops them: Python's default for SIGTERM exits at once and left every server running.
+    Only the main thread can set a handler; elsewhere the caller's handling stands."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _exit(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _stop_all(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 20.0) -> None:
