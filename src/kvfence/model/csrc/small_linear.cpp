@@ -1,4 +1,5 @@
-// out[M, N] = x[M, K] @ w[N, K]^T (+ bias) for the few-token steps of decode.
+// out[M, N] = x[M, K] @ w[N, K]^T (+ bias) for the few-token steps of decode,
+// optionally with x first RMS-normalised and scaled by `norm` (HF's float32 RMSNorm).
 //
 // At a handful of tokens a linear layer is bound by reading its weights once.
 // Each thread streams its own block of weight rows, four at a time, against
@@ -6,7 +7,9 @@
 // step. Built with paged_decode.cpp into one library (kvfence.model.paged_cpu)
 // and called through kvfence.model.linear_cpu; prefill-sized batches stay on
 // the BLAS path.
+#include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -44,7 +47,20 @@ void tile(const float* x, const float* w, const float* bias, float* out, int64_t
 }  // namespace
 
 extern "C" void kvf_small_linear(const float* x, const float* w, const float* bias, float* out,
-                                 int64_t M, int64_t N, int64_t K, int threads) {
+                                 int64_t M, int64_t N, int64_t K, int threads, const float* norm,
+                                 float eps) {
+  std::vector<float> normed;
+  if (norm) {  // x[m] * rsqrt(mean(x[m]^2) + eps) * norm, once per token before the weights
+    normed.resize(M * K);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      float ss = 0.0f;
+      for (int64_t k = 0; k < K; ++k) ss += xm[k] * xm[k];
+      const float r = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
+      for (int64_t k = 0; k < K; ++k) normed[m * K + k] = xm[k] * r * norm[k];
+    }
+    x = normed.data();
+  }
   const int64_t blocks = N / 4;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t nb = 0; nb < blocks; ++nb) {
