@@ -67,3 +67,20 @@ def test_the_fused_norm_equals_rms_norm_then_linear(tokens: int) -> None:
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-5)
     # The norm is really applied: without it the result is far off.
     assert not torch.allclose(linear_cpu.CPULinear()(x, w, b), want, atol=1e-2)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 16, 17])
+def test_the_fused_swiglu_and_residual_equal_torch(tokens: int) -> None:
+    torch.manual_seed(tokens)
+    gate_up, w, b = torch.randn(tokens, 2 * 48), torch.randn(70, 48), torch.randn(70)
+    residual = torch.randn(tokens, 70)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = residual + F.linear(F.silu(gate) * up, w, b)
+    linear = linear_cpu.CPULinear()
+    assert torch.allclose(linear.glu(gate_up, w, b, residual=residual), want, atol=1e-4)
+    x = torch.randn(tokens, 48)
+    assert torch.allclose(
+        linear(x, w, b, residual=residual), residual + F.linear(x, w, b), atol=1e-4
+    )
+    # The residual is really added (a kernel that dropped it would match the bare linear).
+    assert not torch.allclose(linear(x, w, b, residual=residual), F.linear(x, w, b), atol=1e-2)

@@ -104,12 +104,11 @@ class DecoderLayer(torch.nn.Module):
                     for p in parts
                 ]
             )
-        x = x + linear(o, self.o_weight, self.o_bias)
+        x = linear(o, self.o_weight, self.o_bias, residual=x)
         gate_up = linear.normed(
             x, self.post_norm, c.rms_norm_eps, self.gate_up_weight, self.gate_up_bias
         )
-        gate, up = gate_up.chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        return linear.glu(gate_up, self.down_weight, self.down_bias, residual=x)
 
     def _attend(
         self, model: LlamaModel, part: _Part, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
