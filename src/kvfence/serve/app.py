@@ -1,21 +1,28 @@
-"""The FastAPI app: OpenAI-compatible routes, tokenize/detokenize, health, metrics, server_info.
+"""The HTTP app: OpenAI-compatible routes, tokenize/detokenize, health, metrics, server_info.
 
 `create_app` runs the capacity gate on the backend's live pools (I4) and raises
 `CapacityGateError` when the server must not start. The caller owns the
 backend's lifecycle (start before, stop after). Every route except /health
 requires a tenant key unless the server runs in the explicit no-auth dev mode.
+
+A Starlette app: every route reads its own request (body limits, strict fields,
+kvfence's own OpenAPI document), so nothing here needs FastAPI's parameter
+models, whose import (pydantic schemas built for its OpenAPI classes) was
+about a tenth of a server's start-up (bench/serve_ready.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, FastAPI
 from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvfence.engine.backend import Backend
@@ -34,6 +41,25 @@ from kvfence.serve.router import Router
 from kvfence.serve.tenants import TenantRegistry
 
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def route(path: str, endpoint: Endpoint, method: str) -> Route:
+    """A route answering `method` only: any other method is a 405 (Starlette would add HEAD
+    to a GET route; the API never served HEAD)."""
+    r = Route(path, endpoint, methods=[method])
+    r.methods = {method}
+    return r
+
+
+def json_route(path: str, endpoint: Callable[[Request], Awaitable[Any]], method: str) -> Route:
+    """A route whose endpoint returns a JSON-able value, answered as 200 JSON."""
+
+    async def answer(request: Request) -> Response:
+        return JSONResponse(await endpoint(request))
+
+    return route(path, answer, method)
 
 
 class _StatusCounter:
@@ -65,7 +91,7 @@ def create_app(
     capacity: Capacity | None = None,
     request_log: Path | None = None,
     router_type: type[Router] = Router,
-) -> FastAPI:
+) -> Starlette:
     """Build the server. Raises `CapacityGateError` if the pools cannot hold the context (I4)."""
     if capacity is None:
         capacity = decide_capacity(config, backend.stats().pools)
@@ -79,58 +105,57 @@ def create_app(
     )
     latency = RequestLatency(registry, config.context_length, request_log)
     router = router_type(backend, admission, config, counters, latency)
-    app = FastAPI(title="kvfence", docs_url=None, redoc_url=None, openapi_url=None)
+    operator = _Operator(backend, admission, config, capacity, tenants, router)
+    app = Starlette(
+        routes=[
+            *_generate_routes(router, admission, config),
+            *_token_routes(admission, tokenizer, config),
+            *_operator_routes(operator, registry),
+        ]
+    )
     app.state.router = router
     app.state.admission = admission
     app.state.capacity = capacity
     app.add_middleware(_StatusCounter, counters=counters)
     _add_error_handlers(app)
-    app.include_router(_generate_routes(router, admission, config))
-    app.include_router(_token_routes(admission, tokenizer, config))
-    operator = _Operator(backend, admission, config, capacity, tenants, router)
-    app.include_router(_operator_routes(operator, registry))
     return app
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def _add_error_handlers(app: Starlette) -> None:
     """Every error is an OpenAI-style envelope; nothing internal leaks in a 500."""
 
-    @app.exception_handler(ApiError)
-    async def api_error(_request: Request, e: ApiError) -> Response:
+    async def api_error(_request: Request, e: Exception) -> Response:
+        assert isinstance(e, ApiError)
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
         return JSONResponse(e.body(), status_code=e.status, headers={**headers, **e.headers})
 
-    @app.exception_handler(Exception)
     async def internal(_request: Request, _e: Exception) -> Response:
         return JSONResponse(INTERNAL_ERROR.body(), status_code=500)
 
-    @app.exception_handler(404)
     async def not_found(request: Request, _e: Exception) -> Response:
         err = ApiError(404, f"no route {request.url.path}", code="not_found")
         return JSONResponse(err.body(), status_code=404)
 
-    @app.exception_handler(405)
     async def bad_method(request: Request, _e: Exception) -> Response:
         err = ApiError(405, f"{request.method} is not allowed on {request.url.path}")
         return JSONResponse(err.body(), status_code=405)
 
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(Exception, internal)
+    app.add_exception_handler(404, not_found)
+    app.add_exception_handler(405, bad_method)
 
-def _generate_routes(router: Router, admission: Admission, config: ServeConfig) -> APIRouter:
-    routes = APIRouter()
 
-    @routes.get("/health")
-    async def health() -> Response:
+def _generate_routes(router: Router, admission: Admission, config: ServeConfig) -> list[Route]:
+    async def health(_request: Request) -> Response:
         return Response(status_code=200)
 
-    @routes.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await router.generate(request, "completion")
 
-    @routes.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await router.generate(request, "chat")
 
-    @routes.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         admission.authenticate(request.headers.get("authorization"))
         return {
@@ -146,13 +171,15 @@ def _generate_routes(router: Router, admission: Admission, config: ServeConfig) 
             ],
         }
 
-    return routes
+    return [
+        route("/health", health, "GET"),
+        route("/v1/completions", completions, "POST"),
+        route("/v1/chat/completions", chat, "POST"),
+        json_route("/v1/models", models, "GET"),
+    ]
 
 
-def _token_routes(admission: Admission, tokenizer: Tokenizer, config: ServeConfig) -> APIRouter:
-    routes = APIRouter()
-
-    @routes.post("/tokenize")
+def _token_routes(admission: Admission, tokenizer: Tokenizer, config: ServeConfig) -> list[Route]:
     async def tokenize(request: Request) -> dict[str, Any]:
         admission.authenticate(request.headers.get("authorization"))
         obj = await json_body(request, admission)
@@ -165,7 +192,6 @@ def _token_routes(admission: Admission, tokenizer: Tokenizer, config: ServeConfi
         )
         return {"count": len(ids), "max_model_len": config.context_length, "tokens": ids}
 
-    @routes.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
         admission.authenticate(request.headers.get("authorization"))
         obj = await json_body(request, admission)
@@ -174,7 +200,10 @@ def _token_routes(admission: Admission, tokenizer: Tokenizer, config: ServeConfi
         admission.check_ids(ids, "tokens")
         return {"prompt": tokenizer.decode(ids)}
 
-    return routes
+    return [
+        json_route("/tokenize", tokenize, "POST"),
+        json_route("/detokenize", detokenize, "POST"),
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,11 +228,9 @@ class _Operator:
         return tenant_view(full, tenant, sum(t == tenant for t in self.router.rooms.values()))
 
 
-def _operator_routes(operator: _Operator, registry: CollectorRegistry) -> APIRouter:
-    routes = APIRouter()
+def _operator_routes(operator: _Operator, registry: CollectorRegistry) -> list[Route]:
     admission = operator.admission
 
-    @routes.get("/metrics")
     async def metrics(request: Request) -> Response:
         admission.authorize_operator(request.headers.get("authorization"), "/metrics")
         return Response(render(registry), media_type=PROMETHEUS_TYPE)
@@ -213,14 +240,16 @@ def _operator_routes(operator: _Operator, registry: CollectorRegistry) -> APIRou
 
     schema = build_openapi(operator.config, operator.capacity)
 
-    @routes.get("/openapi.json")
     async def openapi(request: Request) -> dict[str, Any]:
         admission.authenticate(request.headers.get("authorization"))
         return schema
 
-    routes.add_api_route("/server_info", info, methods=["GET"])
-    routes.add_api_route("/get_server_info", info, methods=["GET"])
-    return routes
+    return [
+        route("/metrics", metrics, "GET"),
+        json_route("/openapi.json", openapi, "GET"),
+        json_route("/server_info", info, "GET"),
+        json_route("/get_server_info", info, "GET"),
+    ]
 
 
 async def json_body(request: Request, admission: Admission) -> dict[str, Any]:

@@ -23,15 +23,15 @@ from kvfence.kv.scrub import ScrubPolicy
 from kvfence.model.config import MODEL_KINDS
 from kvfence.model.tiny import PRESETS, default_checkpoint_dir
 from kvfence.serve.config import Capacity, ServeConfig
-from kvfence.serve.pd.cli import pd_main
 from kvfence.serve.pd.spec import CROSS_PROCESS, WorkerSpec, is_loopback
 from kvfence.serve.pool_sizing import DEFAULT_KV_FRACTION, PoolSizes, gate_fix_hint
+from kvfence.serve.startup import collector_paused, quiet_torch_import
 from kvfence.serve.tenants import TenantFileError, TenantRegistry
 
 if TYPE_CHECKING:
     from kvfence.serve.build import ServerParts
 
-# Torch, the model and the web stack are imported where they are used: the
+# Torch, the model, the web stack and the PD roles are imported where they are used: the
 # `--disaggregated` supervisor and the router role never load a model, and on a
 # shared machine every torch import they skip is start-up time for the workers.
 
@@ -258,12 +258,11 @@ def serve(
         click.echo(f"using the embedded {preset} checkpoint (made on first use)...", err=True)
         model_dir = default_checkpoint_dir(preset=preset)
     params = click.get_current_context().params
+    quiet_torch_import()  # before any role imports torch; children inherit it
     if disaggregated or role is not None:
-        sys.exit(pd_main(params, faults, tenants, model_dir, announce))
-    if torch_threads:
-        import torch
+        from kvfence.serve.pd.cli import pd_main
 
-        torch.set_num_threads(torch_threads)
+        sys.exit(pd_main(params, faults, tenants, model_dir, announce))
     _serve_local(params, faults, tenants, model_dir, sizes)
 
 
@@ -275,20 +274,25 @@ def _serve_local(
     sizes: tuple[int | None, int | None, int | None, int | None, float],
 ) -> None:
     """The single-process server: build -> capacity gate (I4) -> listen -> serve until stopped."""
-    from kvfence.serve.app import create_app
-    from kvfence.serve.thread import bind, serve_forever, url_of
+    with collector_paused():  # the imports and the build (serve/startup.py)
+        from kvfence.serve.app import create_app
+        from kvfence.serve.thread import bind, serve_forever, url_of
 
-    parts = _build_local(params, faults, model_dir, sizes)
-    capacity = _gate(parts)
-    app = create_app(
-        parts.pipeline,
-        parts.loaded.tokenizer,
-        parts.config,
-        tenants,
-        capacity=capacity,
-        request_log=params["request_log"],
-    )
-    sock = bind(params["host"], params["port"])
+        if params["torch_threads"]:
+            import torch
+
+            torch.set_num_threads(params["torch_threads"])
+        parts = _build_local(params, faults, model_dir, sizes)
+        capacity = _gate(parts)
+        app = create_app(
+            parts.pipeline,
+            parts.loaded.tokenizer,
+            parts.config,
+            tenants,
+            capacity=capacity,
+            request_log=params["request_log"],
+        )
+        sock = bind(params["host"], params["port"])
     url = url_of(sock)
     announce(url, tenants, parts.config.model_name, capacity.report.message())
     parts.pipeline.start()

@@ -21,6 +21,7 @@ import click
 from kvfence.faults import FaultSet
 from kvfence.serve.pd.launch import Loopback, run_disaggregated
 from kvfence.serve.pd.spec import RouterSpec, WorkerSpec
+from kvfence.serve.startup import collector_paused
 from kvfence.serve.tenants import TenantRegistry
 
 
@@ -52,7 +53,8 @@ def pd_main(
         raise click.UsageError(f"--role {role} needs --inbox (this role's control address)")
     if role == "router":
         router = _operator_router_spec(params, faults, model_dir)
-        from kvfence.serve.pd.router_role import run_router  # the web stack: past validation
+        with collector_paused():  # start-up imports (serve/startup.py)
+            from kvfence.serve.pd.router_role import run_router  # the web stack: past validation
 
         return run_router(router, tenants, announce)
     if params["router_addr"] is None:

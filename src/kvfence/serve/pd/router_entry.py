@@ -38,7 +38,10 @@ def main(argv: list[str]) -> int:
         print(f"kvfence router: {e}", file=sys.stderr)
         return EXIT_BAD_SPEC
     from kvfence.serve.cli import announce  # the router's own lines: URL, keys, gate
-    from kvfence.serve.pd.router_role import run_router  # the web stack: past validation
+    from kvfence.serve.startup import collector_paused
+
+    with collector_paused():  # start-up imports (serve/startup.py)
+        from kvfence.serve.pd.router_role import run_router  # the web stack: past validation
 
     return run_router(spec, tenants, announce)
 

@@ -26,8 +26,11 @@ def set_torch_threads(n: int) -> None:
 
 def run_worker_process(spec: WorkerSpec) -> int:
     """Run one worker role to its end; this process then exits without finalisation."""
-    set_torch_threads(spec.torch_threads)
-    from kvfence.serve.pd.workers import run_worker
+    from kvfence.serve.startup import collector_paused
+
+    with collector_paused():  # start-up imports (serve/startup.py)
+        set_torch_threads(spec.torch_threads)
+        from kvfence.serve.pd.workers import run_worker
 
     rc = run_worker(spec)  # sockets closed, shared memory unlinked, engines stopped
     # Skip interpreter finalisation: it took 7-20 s in workers holding torch and zmq state,

@@ -13,6 +13,7 @@ import click
 from kvfence.faults import FaultSet
 from kvfence.serve.pd.cli import worker_spec
 from kvfence.serve.pd.worker_entry import set_torch_threads
+from kvfence.serve.startup import collector_paused
 from kvfence.serve.supervisor import interrupts_unwind
 from kvfence.serve.tenants import TenantRegistry
 
@@ -136,11 +137,12 @@ def sglang_main(
             "with --router sglang, --role is prefill or decode (the router is sglang-router: "
             "python -m sglang_router.launch_router --pd-disaggregation …)"
         )
-    from kvfence.serve.sglang.worker import SglangWorkerSpec, run_sglang_worker  # torch
-
     # No kvfence control plane: the bootstrap channel replaces the inbox and the router.
     worker = worker_spec(params, faults, model_dir, role, inbox="-", router="-")
-    set_torch_threads(worker.torch_threads)
+    with collector_paused():  # start-up imports (serve/startup.py)
+        from kvfence.serve.sglang.worker import SglangWorkerSpec, run_sglang_worker  # torch
+
+        set_torch_threads(worker.torch_threads)
     spec = SglangWorkerSpec(
         worker=worker,
         secret=read_secret(params["router_secret_file"]),

@@ -24,12 +24,13 @@ import json
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from fastapi import FastAPI
+from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Message
 
 from kvfence.serve import protocol
+from kvfence.serve.app import route
 from kvfence.serve.body import read_body
 from kvfence.serve.errors import ApiError, bad_request
 from kvfence.serve.fields import load_json
@@ -223,12 +224,13 @@ async def generate(router: Router, request: Request) -> Response:
     return JSONResponse(generate_body(json.loads(bytes(answer.body))))
 
 
-def add_generate_route(app: FastAPI) -> None:
+def add_generate_route(app: Starlette) -> None:
     router: Router = app.state.router
 
-    @app.post("/generate")
     async def generate_route(request: Request) -> Response:
         return await generate(router, request)
+
+    app.router.routes.append(route("/generate", generate_route, "POST"))
 
 
 def _with_body(request: Request, body: bytes) -> Request:

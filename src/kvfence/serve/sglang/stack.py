@@ -3,7 +3,8 @@
 Workers start first (each binds port 0 and announces its URL and bootstrap
 port on stdout, `worker.ANNOUNCE`); then `python -m sglang_router.launch_router
 --pd-disaggregation --prefill URL/r/<secret> PORT … --decode URL/r/<secret> …`
-is started with those. The router credential (the secret path, gate.py) is
+is started with those (through `router_main`: the same arguments and router,
+started lean). The router credential (the secret path, gate.py) is
 drawn here and handed to the workers in a 0600 file. All are supervised
 together: one dies, or Ctrl-C, and every other one stops, with a message
 naming which ended (serve/supervisor.py).
@@ -23,8 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
-
-import httpx
 
 from kvfence.serve.sglang.gate import router_url
 from kvfence.serve.supervisor import Supervisor, free_port, spawn
@@ -133,7 +132,8 @@ class Stack:
         ]
 
     def _router_argv(self, port: int) -> list[str]:
-        argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+        # sglang-router's launcher minus its Python fallback balancer's imports (router_main.py).
+        argv = [sys.executable, "-m", "kvfence.serve.sglang.router_main", "--pd-disaggregation"]
         for w in self.workers:
             if w.role == "prefill":
                 argv += ["--prefill", self.router_url_of(w), str(w.bootstrap_port)]
@@ -157,10 +157,12 @@ class Stack:
                     facts: dict[str, Any] = json.loads(line[len(ANNOUNCE) :])
                     return Worker(name, role, facts["url"], facts["bootstrap_port"])
             self._check_alive(name)
-            time.sleep(0.1)
+            time.sleep(0.02)  # a log read: the stack's start-up waits on this poll
         raise StackError(f"{name} did not start in time:\n{self.log(name)[-3000:]}")
 
     def _wait_registered(self, deadline: float) -> None:
+        import httpx  # here: importing it delayed every worker's spawn by ~0.1 s
+
         while time.monotonic() < deadline:
             self._check_alive("sglang-router")
             try:
@@ -170,7 +172,7 @@ class Stack:
                     return
             except (httpx.HTTPError, ValueError):
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)
         raise StackError(
             f"sglang-router did not register every worker:\n{self.log('sglang-router')[-3000:]}"
         )
