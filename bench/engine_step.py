@@ -24,11 +24,12 @@ With `--compare ledger`: the same decode steps with the I1 ledger check on
 (production) vs the lab's `no-ledger-check` fault; `--compare linear`: the
 few-token linear kernel vs torch's linear. At each `--levels` row count the
 two alternate `--repeats` times (order flipped each repeat), medians compared.
-Noise-free beside it: the I1 checks' own time (`_check_slots` + `KVPool.verify`)
+Beside it, far less sensitive to machine load: the I1 checks' own time (`_check_slots` + `KVPool.verify`)
 as a share of each production step, timed inside the same steps:
 
   engine_compare preset=... rows=... ledger_step_ms=... no-ledger_step_ms=...
-  cost_of_ledger=...% i1_checks_share_of_step=...% load1=...
+  step_ratio_ledger/no-ledger=... (cost_of_ledger=...%) i1_checks_share_of_step=...%
+  load1=...
 
 Usage: python bench/engine_step.py [--preset tiny|smollm] [--threads N]
        python bench/engine_step.py --compare ledger|linear [--preset smollm] [--threads 2]
@@ -315,7 +316,7 @@ def compare(args: argparse.Namespace, loaded: Any) -> None:
             f"engine_compare preset={args.preset} threads={args.threads} rows={rows} "
             f"repeats={args.repeats} {na}_step_ms={a:.2f} {nb}_step_ms={b:.2f} "
             f"{na}_tok_s={rows * 1e3 / a:.1f} {nb}_tok_s={rows * 1e3 / b:.1f} "
-            f"cost_of_{na}={100 * (a / b - 1):+.2f}% "
+            f"step_ratio_{na}/{nb}={a / b:.3f} (cost_of_{na}={100 * (a / b - 1):+.2f}%) "
             f"i1_checks_share_of_step={100 * statistics.median(share):.3f}% "
             f"load1={load0:.2f}->{os.getloadavg()[0]:.2f}",
             flush=True,
