@@ -57,8 +57,9 @@ def load1() -> str:
     return f"{os.getloadavg()[0]:.1f}"
 
 
-def run_main_job(src: Path) -> Run | str:
-    """One main job from `src`; a string says why it did not come out as the demo expects."""
+def run_main_job(src: Path, tally: dict[str, int] | None = None) -> Run | str:
+    """One main job from `src`; a string says why it did not come out as the demo expects.
+    `tally` counts, per "target check verdict", the verdicts seen (the 10-of-10 count)."""
     env = {**os.environ, "PYTHONPATH": str(src)}
     start = time.perf_counter()
     done = subprocess.run(
@@ -80,6 +81,10 @@ def run_main_job(src: Path) -> Run | str:
     began = datetime.fromisoformat(report["started_at"]).timestamp()
     startup = began - (time.time() - wall)  # started_at has one-second resolution
     wrong = unexpected(verdicts)
+    if tally is not None:
+        for target, check, verdict in verdicts:
+            key = f"{target}:{check}:{verdict}"
+            tally[key] = tally.get(key, 0) + 1
     if done.returncode != 0 or wrong:
         return f"exit={done.returncode} wall_s={wall:.1f} {'; '.join(wrong)}"
     return Run(wall, report["duration_s"], max(0.0, startup), report["requests_sent"], verdicts)
@@ -126,11 +131,13 @@ def main() -> None:
 
 
 def measure(trees: dict[str, Path], repeats: int) -> dict[str, list[Run]]:
-    """Runs that came out as expected, per tree; the others are printed and counted apart."""
+    """Runs that came out as expected, per tree; the others are printed and counted apart.
+    Prints, per tree, how often each (target, check) came out with each verdict."""
     runs: dict[str, list[Run]] = {name: [] for name in trees}
+    tallies: dict[str, dict[str, int]] = {name: {} for name in trees}
     for i in range(repeats):
         for name, src in trees.items():
-            run = run_main_job(src)
+            run = run_main_job(src, tallies[name])
             if isinstance(run, str):
                 print(f"run tree={name} i={i} NOT AS EXPECTED {run} load1={load1()}", flush=True)
                 continue
@@ -140,6 +147,9 @@ def measure(trees: dict[str, Path], repeats: int) -> dict[str, list[Run]]:
                 f"startup_s={run.startup_s:.1f} requests={run.requests} exit=0 load1={load1()}",
                 flush=True,
             )
+    for name, tally in tallies.items():
+        shown = " ".join(f"{k}={v}" for k, v in sorted(tally.items()))
+        print(f"verdicts tree={name} runs={repeats} {shown} load1={load1()}", flush=True)
     return runs
 
 

@@ -55,7 +55,7 @@ def audit(url: str, alpha: float, seed: int, out: Path, checks: str) -> tuple[in
 
 def run_requests(evidence: dict) -> str:
     """Each run (unsalted, salted) of the check: requests, verdict, KS distance, from evidence."""
-    parts = []
+    parts = [f"prefix={evidence.get('prefix_tokens', '?')} tokens"]
     for label in ("unsalted", "salted"):
         run = evidence.get(label)
         if isinstance(run, dict):
@@ -63,9 +63,11 @@ def run_requests(evidence: dict) -> str:
             parts.append(
                 f"{label}={run.get('requests', '?')}({run.get('verdict', '?')}, "
                 f"KS D={_g(ks.get('statistic'))} p={_g(ks.get('p_value'))}, detectable "
-                f"D>={_g(ks.get('detectable_ks_distance'))})"
+                f"D>={_g(ks.get('detectable_ks_distance'))}, errors={run.get('error_count', 0)}"
+                + (f" first={run['errors'][0]}" if run.get("errors") else "")
+                + ")"
             )
-    return " ".join(parts) or "-"
+    return " ".join(parts)
 
 
 def _g(v: object) -> str:

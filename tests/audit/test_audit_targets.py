@@ -76,3 +76,18 @@ def test_tokenize_falls_back_to_llamacpp_content_field(
 
     replay.handlers[("POST", "/tokenize")] = tokenize
     assert client.tokenize("abc") == [97, 98, 99]
+
+
+def test_a_streamed_token_holding_a_unicode_line_separator_keeps_its_ttft(
+    replay: ReplayServer, client: ProbeClient
+) -> None:
+    """JSON leaves U+0085 / U+2028 / U+2029 raw; str.splitlines (httpx's iter_lines) cut the
+    event there, so the first chunk went unparsed and the TTFT unread (real vLLM, random ids)."""
+    chunk = {"choices": [{"index": 0, "text": "a\x85b\u2028c\u2029d\x1ce"}]}
+    usage = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 1}}
+    events = [json.dumps(chunk, ensure_ascii=False), json.dumps(usage), "[DONE]"]
+    body = "".join(f"data: {e}\r\n\r\n" for e in events)
+    replay.routes[("POST", "/v1/completions")] = Route(200, body, "text/event-stream")
+    r = client.ttft([1, 2, 3])
+    assert r.ok and r.ttft_s is not None, r.body
+    assert r.text == "a\x85b\u2028c\u2029d\x1ce" and r.prompt_tokens == 9

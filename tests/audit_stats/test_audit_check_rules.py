@@ -39,6 +39,33 @@ def test_prefix_is_whole_pages_and_fits_the_limit() -> None:
     assert prefix_length(cfg, _facts(10, 16), None)[0] is None
 
 
+def test_a_stricter_level_asks_for_a_longer_prefix_within_the_limit() -> None:
+    """At --alpha 1e-9 the shared prefix grows with the evidence asked for (alpha.py):
+    real vLLM's 1,024-token prefix left one audit in three inconclusive on a loaded machine."""
+    from kvfence.audit.alpha import REFERENCE_SHARE, evidence_scale, sequential_design_for
+
+    cfg = PrefixSharingConfig()  # the check's defaults: 8 pages, at least 256 tokens
+    base = cfg.design
+    default = sequential_design_for(base, REFERENCE_SHARE)
+    assert evidence_scale(default, base) == 1.0  # the default audit's prompts are unchanged
+    assert evidence_scale(sequential_design_for(base, 1e-3 / 3), base) == 1.0  # never shorter
+    strict = sequential_design_for(base, 5e-10)  # --alpha 1e-9, unsalted + salted runs
+    scale = evidence_scale(strict, base)
+    assert 2.3 < scale < 2.5
+    assert evidence_scale(sequential_design_for(base, 1e-12), base) > scale  # monotone
+    # vLLM CPU (128-token blocks, max_model_len 4096): 19 blocks instead of 8.
+    assert prefix_length(cfg, _facts(4095, 128), None, 1.0)[0] == 1024
+    n, how = prefix_length(cfg, _facts(4095, 128), None, scale)
+    assert n == 19 * 128 and "2.40 x the default" in how
+    # Always within the longest accepted prompt, in whole pages, with room for the suffix.
+    assert prefix_length(cfg, _facts(2047, 128), None, scale)[0] == 1920
+    assert prefix_length(cfg, _facts(511, 16), None, scale)[0] == 496
+    # Small pages: the minimum length grows by the same whole-page factor (256 x 19 / 8).
+    assert prefix_length(cfg, _facts(4095, 16), None, scale)[0] == 608
+    # A level a little below the default's (more runs share it) keeps the default's pages.
+    assert prefix_length(cfg, _facts(4095, 16), None, 1.1)[0] == 256
+
+
 def _arms(shared: list[float], fresh: list[float]) -> Arms:
     return Arms(shared=shared, fresh=fresh, requests=3 * len(shared))
 

@@ -143,6 +143,26 @@ def test_sequential_add_refuses_after_stop_and_waits_for_min_samples() -> None:
         test.add([1.0], [2.0])
 
 
+def test_sequential_finish_decides_when_a_lost_sample_skipped_a_look() -> None:
+    """One failed trial in the first batch (7 < min_per_arm: no look) left the test one look
+    short of its plan, so a run that spent its whole budget had no result (inconclusive: real
+    vLLM at --alpha 1e-9, one salted run in five). `finish` decides on what exists."""
+    test = SequentialKS(SequentialDesign(alpha=1e-3, batch=8, max_per_arm=24))
+    rng = np.random.default_rng(0)
+    assert test.add(rng.normal(1, 0.1, 7), rng.normal(1, 0.1, 7)) is None  # no look yet
+    assert test.add(rng.normal(1, 0.1, 8), rng.normal(1, 0.1, 8)) is None
+    assert test.add(rng.normal(1, 0.1, 8), rng.normal(1, 0.1, 8)) is None  # budget spent
+    final = test.finish()
+    assert final is not None and not final.rejected and final.n_x == 23
+    assert len(final.looks) <= final.planned_looks and test.finish() is final
+    # A real difference is still found on what exists.
+    leak = SequentialKS(SequentialDesign(alpha=1e-3, batch=8, max_per_arm=16))
+    leak.add([0.5] * 7, [1.0] * 7)
+    result = leak.finish()
+    assert result is not None and result.rejected
+    assert SequentialKS(SequentialDesign()).finish() is None  # nothing to decide on
+
+
 def test_design_validation() -> None:
     with pytest.raises(ValueError):
         SequentialDesign(alpha=0.0)

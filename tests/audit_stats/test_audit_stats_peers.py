@@ -90,6 +90,22 @@ def test_vllm_default_fails_prefix_sharing_by_timing_alone(vllm: PeerServer) -> 
     print(f"\nvLLM timing only: p = {ks['p_value']:.2e} after {res.evidence['requests']} requests")
 
 
+def test_vllm_fails_prefix_sharing_at_alpha_1e_9_by_timing_alone(vllm: PeerServer) -> None:
+    """`kvfence audit --alpha 1e-9`'s design (the audit's share, the prefix grown with the
+    evidence asked for): vLLM's shared cache fails by timing alone, below 1e-9."""
+    cfg = PrefixSharingConfig(salt="off", stop_on_cached_evidence=False)
+    budget = Budget(max_requests=3000, max_seconds=300)
+    # As `kvfence audit --checks prefix_sharing --alpha 1e-9`: the whole alpha is this check's.
+    ctx = AuditContext(seed=2, alpha=1e-9, statistical=("prefix_sharing",), budget=budget)
+    with ctx.open():
+        res = run_check(PrefixSharingCheck(cfg, audit_alpha=True), ctx, VllmTarget(vllm.url))
+    assert res.verdict is Verdict.FAIL, res.summary
+    assert res.p_value is not None and res.p_value < 1e-9 and res.alpha == pytest.approx(1e-9)
+    # 19 of vLLM's 128-token blocks (8 at the default alpha), within max_model_len 2048.
+    assert res.evidence["prefix_tokens"] == 1920 and res.evidence["prefix_evidence_scale"] > 2
+    print(f"\nvLLM at 1e-9: p = {res.p_value:.2e} after {res.evidence['requests']} requests")
+
+
 def test_vllm_noninterference_passes(vllm: PeerServer) -> None:
     res = _run(vllm, NoninterferenceCheck(NoninterferenceConfig(repeats=6)))
     assert res.verdict is Verdict.PASS, res.summary

@@ -72,8 +72,31 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+class Served:
+    """A `kvfence serve` process on a port it bound itself (port 0: no free-port race); its URL
+    from the line it prints once it listens."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.proc, self.log = proc, log
+        self._url: str | None = None
+
+    def url(self, timeout_s: float = 240.0) -> str:
+        end = time.monotonic() + timeout_s
+        while self._url is None:
+            if m := re.search(r"kvfence serving \S+ at (http://\S+)", self.log.read_text()):
+                self._url = m.group(1)
+                break
+            assert self.proc.poll() is None and time.monotonic() < end, self.log.read_text()
+            time.sleep(0.3)
+        return self._url
+
+    @property
+    def port(self) -> int:
+        return int(self.url().rsplit(":", 1)[1])
+
+
 @contextmanager
-def kvfence_serve(tmp: Path, name: str, port: int, args: tuple[str, ...]) -> Iterator[str]:
+def kvfence_serve(tmp: Path, name: str, args: tuple[str, ...], port: int = 0) -> Iterator[Served]:
     tenants = tmp / "tenants.json"
     tenants.write_text(
         json.dumps(
@@ -85,10 +108,11 @@ def kvfence_serve(tmp: Path, name: str, port: int, args: tuple[str, ...]) -> Ite
     )
     cmd = [sys.executable, "-c", "from kvfence.cli import main; main()", "serve"]
     cmd += ["--port", str(port), "--tenants", str(tenants), *COMMON, *args]
-    with open(tmp / f"{name}.log", "ab") as log:
+    log_path = tmp / f"{name}.log"
+    with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield Served(proc, log_path)
     finally:
         stop(proc)
 
@@ -138,25 +162,33 @@ def prometheus(tmp: Path, guard_url: str) -> Iterator[str]:
         "scrape_configs:\n"
         f"  - job_name: kvfence-guard\n    static_configs: [{{targets: ['{guard_url[7:]}']}}]\n"
     )
-    port = free_port()
-    cmd = [binary, f"--config.file={tmp / 'prometheus.yml'}"]
-    cmd += [f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"]
-    with open(tmp / "prometheus.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
+    for _ in range(5):  # a free port can be taken before Prometheus binds it: try another
+        port = free_port()
+        cmd = [binary, f"--config.file={tmp / 'prometheus.yml'}"]
+        cmd += [f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"]
+        log_path = tmp / "prometheus.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
-        wait_ready(url)
-        yield url
-    finally:
-        stop(proc)
+        try:
+            if wait_ready(url, proc):
+                yield url
+                return
+        finally:
+            stop(proc)
+        assert "address already in use" in log_path.read_text(), log_path.read_text()
+    raise AssertionError("prometheus found no free port in 5 tries")
 
 
-def wait_ready(url: str) -> None:
+def wait_ready(url: str, proc: subprocess.Popen[bytes]) -> bool:
+    """True once Prometheus answers ready; False if it exited (its log says why)."""
     end = time.monotonic() + 60
     while time.monotonic() < end:
+        if proc.poll() is not None:
+            return False
         try:
             if httpx.get(url + "/-/ready", timeout=2).status_code == 200:
-                return
+                return True
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
@@ -166,9 +198,19 @@ def wait_ready(url: str) -> None:
 class Alerts:
     """Polls /api/v1/alerts; remembers every (alert, target) ever seen pending or firing."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, url: str, guard_log: Path, servers: dict[str, Served]) -> None:
+        self.url, self.guard_log, self.servers = url, guard_log, servers
         self.seen: set[tuple[str, str, str]] = set()
+
+    def servers_state(self) -> str:
+        """Each watched server: running, or its exit code and last log lines (a target that
+        died reads as facts unknown, and the guard cannot tell why)."""
+        out = []
+        for name, srv in self.servers.items():
+            rc = srv.proc.poll()
+            tail = "" if rc is None else ": " + " | ".join(srv.log.read_text().splitlines()[-5:])
+            out.append(f"{name} {'running' if rc is None else f'exited {rc}'}{tail}")
+        return "; ".join(out)
 
     def poll(self) -> set[tuple[str, str]]:
         data = httpx.get(self.url + "/api/v1/alerts", timeout=5).json()["data"]["alerts"]
@@ -188,7 +230,14 @@ class Alerts:
             if wanted <= firing:
                 return time.monotonic() - t0
             time.sleep(0.5)
-        raise AssertionError(f"not firing after {timeout_s} s: {wanted - firing}; firing: {firing}")
+        # What the guard said went wrong (facts unknown, probe failures), for the diagnosis.
+        marks = ("unknown", "probe failed", "error")
+        lines = self.guard_log.read_text().splitlines()
+        said = [ln for ln in lines if any(m in ln.lower() for m in marks)][-12:]
+        raise AssertionError(
+            f"not firing after {timeout_s} s: {wanted - firing}; firing: {firing}; "
+            f"servers: {self.servers_state()}; the guard's last complaints:\n" + "\n".join(said)
+        )
 
 
 def scalar(url: str, expr: str) -> float | None:
@@ -208,25 +257,27 @@ def test_shipped_rules_pass_promtool() -> None:
 @pytest.mark.timeout(720)
 def test_alerts_fire_in_a_real_prometheus(tmp_path: Path) -> None:
     require_prometheus()
-    ports = {name: free_port() for name in ("hardened", "lab", "resized")}
-    dirs = {name: tmp_path / name for name in ports}
+    dirs = {name: tmp_path / name for name in ("hardened", "lab", "resized")}
     for d in dirs.values():
         d.mkdir()
     with ExitStack() as stack:
-        hardened = stack.enter_context(
-            kvfence_serve(dirs["hardened"], "h", ports["hardened"], HARDENED)
-        )
-        lab = stack.enter_context(kvfence_serve(dirs["lab"], "l", ports["lab"], LAB))
+        # All three start at once (each binds its own port), then each URL is read.
+        started = [
+            stack.enter_context(kvfence_serve(dirs["hardened"], "h", HARDENED)),
+            stack.enter_context(kvfence_serve(dirs["lab"], "l", LAB)),
+        ]
         resized_run = ExitStack()
-        resized = resized_run.enter_context(
-            kvfence_serve(dirs["resized"], "r1", ports["resized"], RESIZED_BEFORE)
-        )
         stack.callback(resized_run.close)
+        started.append(
+            resized_run.enter_context(kvfence_serve(dirs["resized"], "r1", RESIZED_BEFORE))
+        )
+        hardened, lab, resized = (s.url() for s in started)
         for url in (hardened, lab, resized):
             wait_healthy(url)
         g = stack.enter_context(guard(tmp_path, [hardened, lab, resized]))
         prom = stack.enter_context(prometheus(tmp_path, g))
-        alerts = Alerts(prom)
+        names = dict(zip(("hardened", "lab", "resized"), started, strict=True))
+        alerts = Alerts(prom, tmp_path / "guard.log", names)
         # The lab: signal 1, 2 and 3 all fire. Signal 3 needs evidence at the guard's per-test
         # alpha (~3.9e-7 at a 1 s interval): about 25 rounds of its timing probes, longer when
         # the machine is loaded and half the placeholder answers queue past the floor.
@@ -237,9 +288,12 @@ def test_alerts_fire_in_a_real_prometheus(tmp_path: Path) -> None:
         resized_run.close()
         resized_run = ExitStack()
         stack.callback(resized_run.close)
-        resized_run.enter_context(
-            kvfence_serve(dirs["resized"], "r2", ports["resized"], RESIZED_AFTER)
+        # The same port again: the guard watches a URL (a port taken meanwhile fails here).
+        r2 = resized_run.enter_context(
+            kvfence_serve(dirs["resized"], "r2", RESIZED_AFTER, port=started[2].port)
         )
+        r2.url()
+        alerts.servers["resized"] = r2
         wait_healthy(resized)
         resize_s = alerts.wait_firing(
             {("KVPoolBelowContext", resized), ("CapacityFactsChanged", resized)}, 60
@@ -253,9 +307,10 @@ def test_alerts_fire_in_a_real_prometheus(tmp_path: Path) -> None:
         assert alpha == pytest.approx(1 / (30 * 86400))
         p = {u: scalar(prom, f'min_over_time(kvfence_guard_prefill_p_value{{target="{u}"}}[10m])')
              for u in (hardened, lab)}  # fmt: skip
-        assert p[lab] is not None and p[lab] < alpha
+        p_lab = p[lab]
+        assert p_lab is not None and alpha is not None and p_lab < alpha
     # The hardened engine, watched over the same window, fired nothing (not even pending).
     assert [s for s in alerts.seen if s[1] == hardened] == []
     assert ("GuardDown", "", "firing") not in alerts.seen
     print(f"lab alerts after {lab_s:.1f} s, resize {resize_s:.1f} s, stop {down_s:.1f} s")
-    print(f"smallest timing p: lab {p[lab]:.2g}, hardened {p[hardened]} (alpha {alpha:.2g})")
+    print(f"smallest timing p: lab {p_lab:.2g}, hardened {p[hardened]} (alpha {alpha:.2g})")

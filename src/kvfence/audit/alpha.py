@@ -16,6 +16,18 @@ the default audit has at its own share: it grows until the KS distance its last
 look can detect is no larger than the default audit's (`REFERENCE_SHARE`). At
 the default alpha nothing changes; a smaller alpha buys its certainty with more
 trials on an isolating target (a leak still stops at the first decisive look).
+
+More trials alone leave the check at the mercy of the machine: real vLLM's
+8-block (1,024-token) shared prefix saves ~15 ms of a ~27 ms prefill, and on a
+loaded 2-core machine that shift is a KS distance of 0.5-0.9, so at 1e-9 one
+audit in three stayed inconclusive at 64 trials per arm. The effect itself
+grows with the prefix (a hit skips its whole prefill; the noise is the HTTP
+path's, the same at any length), so the prefix also grows with the evidence
+asked for: `evidence_scale` is the ratio of the design's per-look level to the
+reference's, in log terms (the KS tail is exp(-D^2 n), so -log alpha is the
+evidence a look needs), and the prefix takes that many times its default pages,
+within the target's longest prompt. At the default alpha (or a larger one) the
+scale is 1: the default audit's prompts are unchanged.
 """
 
 from __future__ import annotations
@@ -52,13 +64,26 @@ def sequential_design_for(design: SequentialDesign, alpha: float) -> SequentialD
     sized = replace(design, alpha=alpha)
     while not _reaches(sized) and sized.max_per_arm < MAX_PER_ARM:
         sized = replace(sized, max_per_arm=sized.max_per_arm + sized.batch)
-    reference = replace(design, alpha=REFERENCE_SHARE)
-    while not _reaches(reference) and reference.max_per_arm < MAX_PER_ARM:
-        reference = replace(reference, max_per_arm=reference.max_per_arm + reference.batch)
-    power = _detectable(reference)
+    power = _detectable(reference_design(design))
     while _detectable(sized) > power and sized.max_per_arm < MAX_PER_ARM:
         sized = replace(sized, max_per_arm=sized.max_per_arm + sized.batch)
     return sized
+
+
+def reference_design(design: SequentialDesign) -> SequentialDesign:
+    """`design` at the reference share, grown until it can reach it (the default audit's)."""
+    reference = replace(design, alpha=REFERENCE_SHARE)
+    while not _reaches(reference) and reference.max_per_arm < MAX_PER_ARM:
+        reference = replace(reference, max_per_arm=reference.max_per_arm + reference.batch)
+    return reference
+
+
+def evidence_scale(sized: SequentialDesign, configured: SequentialDesign) -> float:
+    """How many times the default audit's evidence a look of `sized` (the `configured` design
+    at the run's level) needs, in log-level terms (module docstring); never below 1: the
+    factor the shared prefix grows by."""
+    reference = reference_design(configured)
+    return max(1.0, math.log(1 / sized.alpha_per_look) / math.log(1 / reference.alpha_per_look))
 
 
 def _reaches(d: SequentialDesign) -> bool:

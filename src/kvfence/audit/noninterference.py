@@ -4,7 +4,9 @@ B sends a few fixed probes at temperature 0 (with logprobs where the target
 gives them). First alone, repeated, to measure the engine's own baseline
 nondeterminism (some engines are not batch-invariant even alone); then the
 same number of repeats while tenant A keeps the engine busy with concurrent
-requests. A repeat *diverges* when its generated tokens differ from the
+requests, each repeat sent only once an A request that began after B's
+previous answer has ended (A's pages were taken, written and released in
+between: `noninterference_probes.Load`). A repeat *diverges* when its generated tokens differ from the
 probe's first answer alone. The check fails when the divergence rate under
 load exceeds the baseline rate with significance (one-sided Fisher exact
 test, `stats.divergence_excess`, pooled and per probe with a

@@ -142,6 +142,11 @@ class Load:
     `running` is set once A has finished as many requests as it has threads (or a
     worker ended): from then on the pool holds A's data and every thread is sending, so
     a B repeat that follows is under load, not racing the load's first request.
+    `wait_for_turnover` holds each B repeat until an A request that began after B's
+    previous answer has ended: A's traffic took pages, wrote and released them between
+    every two B repeats — by construction, not by how the machine's load happens to
+    time them (a leak that serves B from recently released memory, like the lab's, then
+    shows on every repeat, not on some).
     """
 
     def __init__(self, client: ProbeClient, cfg: NoninterferenceConfig, rng: random.Random) -> None:
@@ -150,9 +155,14 @@ class Load:
         self.stop = threading.Event()
         self.running = threading.Event()
         self.lock = threading.Lock()
+        self.ended = threading.Condition(self.lock)  # notified whenever an A request ends
         self.sent = 0
         self.ok = 0
         self.failures: list[dict[str, Any]] = []
+        self.stopped_workers = 0
+        self.waits_timed_out = 0
+        self.begun = 0  # A requests sent so far
+        self.newest_ended = -1  # the highest begin index among A requests that ended
 
     def worker(self, seed: int) -> None:
         rng = random.Random(seed)
@@ -160,6 +170,8 @@ class Load:
         try:
             while not self.stop.is_set():
                 prompt = [rng.randrange(lo, hi) for _ in range(self.cfg.load_tokens)]
+                with self.lock:
+                    index, self.begun = self.begun, self.begun + 1
                 r = self.client.completion(
                     prompt, max_tokens=self.cfg.load_max_tokens, temperature=1.0
                 )
@@ -171,11 +183,38 @@ class Load:
                         self.failures.append(r.brief())
                     if self.sent >= self.cfg.load_concurrency:
                         self.running.set()
+                    self.newest_ended = max(self.newest_ended, index)
+                    self.ended.notify_all()
         finally:
             self.running.set()  # a worker that ended (or crashed) is never waited for
+            with self.lock:
+                self.stopped_workers += 1
+                self.ended.notify_all()
+
+    def mark(self) -> int:
+        """How many A requests have begun so far (to wait past with `wait_for_turnover`)."""
+        with self.lock:
+            return self.begun
+
+    def wait_for_turnover(self, mark: int, timeout_s: float) -> bool:
+        """Until an A request begun after `mark` has ended (False: none within `timeout_s`,
+        or every worker stopped — the repeat is then sent anyway, counted on record)."""
+        with self.lock:
+            return (
+                self.ended.wait_for(
+                    lambda: self.newest_ended >= mark or self.stopped_workers >= len(self.seeds),
+                    timeout=timeout_s,
+                )
+                and self.newest_ended >= mark
+            )
 
     def to_json(self) -> dict[str, JSONValue]:
-        return {"sent": self.sent, "ok": self.ok, "failures": self.failures}
+        return {
+            "sent": self.sent,
+            "ok": self.ok,
+            "failures": self.failures,
+            "repeats_without_turnover": self.waits_timed_out,
+        }
 
 
 @dataclass(slots=True)
@@ -216,13 +255,18 @@ class Probes:
             else:
                 self.dropped.append({"prompt_tokens": len(prompt), **ref.brief()})
 
-    def tally(self, ctx: AuditContext, phase: str) -> Tally:
-        """Every probe, `repeats` times, against its reference."""
+    def tally(self, ctx: AuditContext, phase: str, load: Load | None = None) -> Tally:
+        """Every probe, `repeats` times, against its reference; under `load`, each repeat
+        only after an A request ended since B's previous answer (`Load`)."""
         tally = Tally()
         ctx.progress(phase, 0.0)
+        mark = load.mark() if load is not None else 0
         for rep in range(self.cfg.repeats):
             for i, prompt in enumerate(self.prompts):
+                if load is not None and not load.wait_for_turnover(mark, ctx.request_timeout_s):
+                    load.waits_timed_out += 1
                 tally.record(i, self.refs[i], self.send(prompt))
+                mark = load.mark() if load is not None else 0
             ctx.progress(phase, (rep + 1) / self.cfg.repeats)
         return tally
 
@@ -231,7 +275,7 @@ class Probes:
             futures = [pool.submit(load.worker, s) for s in load.seeds]
             try:
                 load.running.wait(timeout=ctx.request_timeout_s)
-                loaded = self.tally(ctx, "noninterference: under load")
+                loaded = self.tally(ctx, "noninterference: under load", load)
             finally:
                 load.stop.set()
             for f in futures:

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from kvfence.audit import premises
-from kvfence.audit.alpha import sequential_design_for
+from kvfence.audit.alpha import evidence_scale, sequential_design_for
 from kvfence.audit.base import (
     AuditContext,
     Check,
@@ -70,28 +70,33 @@ class PrefixSharingCheck(Check):
         "or by cached_tokens; cache_salt: same salt hits and different salt misses"
     )
 
-    def __init__(self, config: PrefixSharingConfig | None = None) -> None:
+    def __init__(
+        self, config: PrefixSharingConfig | None = None, *, audit_alpha: bool | None = None
+    ) -> None:
+        """`audit_alpha`: size the design from the audit's `--alpha` share (default: only when
+        no config is given; an explicit design keeps its alpha)."""
         self.config = config or PrefixSharingConfig()
-        self.own_alpha = config is not None  # an explicit design keeps its alpha
+        self.own_alpha = config is not None if audit_alpha is None else not audit_alpha
 
     def run(self, ctx: AuditContext, target: Target) -> CheckResult:
         client_a, client_b = ctx.client(target, "a"), ctx.client(target, "b")
         facts = target.facts(client_a)
         target.facts(client_b)
-        prefix_len, how = prefix_length(self.config, facts, ctx.context_override)
-        if prefix_len is None:
-            return self.result(target, Verdict.INCONCLUSIVE, how, {"facts": facts.to_json()})
         rng = random.Random(ctx.rng.random())
         cache, salt = premises.prefix_cache(facts), premises.salt_support(facts)
         runs, not_run = premises.prefix_runs(self.config.salt, cache, salt, rng)
         dropped, _ = dropped_routes(facts)
         on = dropped is not None and self.config.salt != "off"
         routes = self.config.salt_routes if on else ()
-        cfg = self._sized(ctx, len(runs) + len(routes))
+        cfg, scale = self._sized(ctx, len(runs) + len(routes))
+        prefix_len, how = prefix_length(cfg, facts, ctx.context_override, scale)
+        if prefix_len is None:
+            return self.result(target, Verdict.INCONCLUSIVE, how, {"facts": facts.to_json()})
         probe = TrialProbe(cfg, rng, client_a, client_b, prefix_len)
         evidence: dict[str, JSONValue] = {
             "prefix_tokens": prefix_len,
             "prefix_length_from": how,
+            "prefix_evidence_scale": scale,
             "design": _design(cfg),
             "cache_salt_supported": facts.cache_salt_supported.to_json(),
             "premises": [cache.to_json(), salt.to_json()],
@@ -115,12 +120,14 @@ class PrefixSharingCheck(Check):
         out = self.result(target, worst(verdicts), "; ".join(summaries), evidence, plots)
         return _with_alpha(out, ran, cfg, len(runs) + len(routes))
 
-    def _sized(self, ctx: AuditContext, n_runs: int) -> PrefixSharingConfig:
-        """The audit's share, split over the runs, in a design that can reach it."""
-        if self.own_alpha:  # an explicit design keeps its alpha
-            return self.config
-        share = ctx.alpha_for(self.name) / max(1, n_runs)
-        return replace(self.config, design=sequential_design_for(self.config.design, share))
+    def _sized(self, ctx: AuditContext, n_runs: int) -> tuple[PrefixSharingConfig, float]:
+        """The audit's share, split over the runs, in a design that can reach it; and the
+        factor the prefix grows by for that level (`alpha.evidence_scale`)."""
+        cfg = self.config
+        if not self.own_alpha:  # an explicit design keeps its alpha
+            share = ctx.alpha_for(self.name) / max(1, n_runs)
+            cfg = replace(cfg, design=sequential_design_for(cfg.design, share))
+        return cfg, evidence_scale(cfg.design, self.config.design)
 
     def _one_run(
         self,
@@ -238,13 +245,18 @@ def _progress(ctx: AuditContext, label: str) -> Callable[[float], None]:
 
 
 def prefix_length(
-    cfg: PrefixSharingConfig, facts: TargetFacts, context_override: int | None
+    cfg: PrefixSharingConfig,
+    facts: TargetFacts,
+    context_override: int | None,
+    scale: float = 1.0,
 ) -> tuple[int | None, str]:
-    """Prefix tokens: several whole pages, within the longest accepted prompt."""
+    """Prefix tokens: several whole pages (`scale` times the configured ones, for a stricter
+    level: `alpha.evidence_scale`), within the longest accepted prompt."""
     page = facts.page_size.as_int()
     page_src = facts.page_size.source if page else f"default page {cfg.default_page}"
     page = page or cfg.default_page
-    want = max(cfg.prefix_pages * page, cfg.min_prefix_tokens)
+    pages = max(cfg.prefix_pages, int(cfg.prefix_pages * scale))
+    want = max(pages * page, cfg.min_prefix_tokens * pages // cfg.prefix_pages)
     want = -(-want // page) * page  # whole pages: caches share whole pages only
     limit = facts.input_limit(context_override).as_int()
     if limit is None:
@@ -254,7 +266,8 @@ def prefix_length(
         return None, f"longest accepted prompt {limit} is shorter than one page ({page})"
     if want > room:
         want = (room // page) * page
-    return want, f"{want // page} pages of {page} tokens ({page_src}); limit {limit}"
+    grown = f", {scale:.2f} x the default's for the level asked" if scale > 1 else ""
+    return want, f"{want // page} pages of {page} tokens ({page_src}{grown}); limit {limit}"
 
 
 def judge(

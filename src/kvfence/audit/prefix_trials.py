@@ -186,7 +186,8 @@ def run_arms(
         result = test.add(arms.shared[before:], arms.fresh[before:])
         if result is not None:
             return arms, result
-    return arms, test.result
+    # A failed trial in the first batch skips that look: the budget, not the looks, ran out.
+    return arms, test.finish()
 
 
 def same_salt_trials(

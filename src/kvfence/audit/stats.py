@@ -178,6 +178,18 @@ class SequentialKS:
             self.result = self._finish(rejected, ks)
         return self.result
 
+    def finish(self) -> SequentialResult | None:
+        """The result once the trials are spent: the last look's, or (lost samples kept a batch
+        under ``min_per_arm``: a look short) a final look on what exists. None: an arm empty."""
+        if self.result is not None:
+            return self.result
+        if not self.x or not self.y:
+            return None
+        ks = ks_smaller(self.x, self.y)
+        self.history.append(Look(min(len(self.x), len(self.y)), ks.statistic, ks.p_value))
+        self.result = self._finish(ks.p_value < self.design.alpha_per_look, ks)
+        return self.result
+
     def _finish(self, rejected: bool, ks: KSResult) -> SequentialResult:
         return SequentialResult(
             rejected=rejected,
@@ -212,8 +224,10 @@ def run_sequential(
             return result
         if taken >= design.max_per_arm:
             # Samples were lost (draw returned fewer than asked): decide on what exists.
-            ks = ks_smaller(test.x, test.y)
-            return test._finish(ks.p_value < design.alpha_per_look, ks)
+            final = test.finish()
+            if final is None:
+                raise ValueError("run_sequential: draw returned no samples")
+            return final
 
 
 @dataclass(frozen=True, slots=True)

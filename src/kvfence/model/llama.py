@@ -261,16 +261,22 @@ class _Weights:
         return self.tensors[name]
 
     def put(self, dst: torch.nn.Parameter | None, *names: str) -> None:
-        """Copy the named tensors (concatenated on dim 0, e.g. q+k+v) into `dst`."""
-        parts = [self.take(n) for n in names]
-        if dst is None or any(p is None for p in parts):
+        """Copy the named tensors (stacked on dim 0, e.g. q+k+v) into `dst`, each straight into
+        its rows: no concatenated copy (on a 135M checkpoint that copy was half the load)."""
+        parts = [t for t in map(self.take, names) if t is not None]
+        if dst is None or len(parts) < len(names):
             return
-        src = torch.cat([p for p in parts if p is not None], dim=0)
-        if tuple(src.shape) != tuple(dst.shape):
+        rows = sum(int(t.shape[0]) for t in parts)
+        shape = (rows, *parts[0].shape[1:])
+        if tuple(dst.shape) != shape or any(t.shape[1:] != parts[0].shape[1:] for t in parts):
+            got = " + ".join(str(tuple(t.shape)) for t in parts)
             raise ValueError(
-                f"weight {'+'.join(names)} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
+                f"weight {'+'.join(names)} has shape {got}, expected {tuple(dst.shape)}"
             )
-        dst.data.copy_(src.to(dst.dtype))
+        lo = 0
+        for t in parts:
+            dst.data[lo : lo + t.shape[0]].copy_(t)  # copy_ casts to the parameter's dtype
+            lo += int(t.shape[0])
 
     def check_all_used(self) -> None:
         unexpected = sorted(

@@ -11,12 +11,14 @@ request's tokens verbatim (DESIGN.md, "The incident lab").
 Weightless, the mirror's prefill costs nothing, so runbook signal 3 (a long
 prompt answered as fast as a short one) cannot be told from noise. Built
 with a `body` (kind ``mirror-body``: the checkpoint's real Llama weights),
-every step first runs the real transformer over the batch through the same
-paged attention — its cost grows with the prompt like any engine's — and
-its logits are discarded; the mirror head then writes the ids over the
-body's KV and echoes as above, so leaks still read as text. The body's KV
-for earlier positions is therefore the mirror's digits, not its own: the
-body is there for its cost, never for its output.
+every step that prefills (some row has generated nothing yet) first runs the
+real transformer over the batch through the same paged attention — its cost
+grows with the prompt like any engine's — and its logits are discarded. A
+decode-only step skips the body: no check times decode and the echo does not
+need it (a demo decode token costs ~1.7 ms instead of ~3.8). The mirror head
+then writes the ids over the body's KV and echoes as above, so leaks still
+read as text. The body's KV for earlier positions is therefore the mirror's
+digits, not its own: the body is there for its cost, never for its output.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ def decode_ids(kv: torch.Tensor) -> torch.Tensor:
     return ids
 
 
+def _prefills(batch: ForwardBatch) -> bool:
+    """Some row still reads prompt tokens (none generated yet): the step signal 3 times."""
+    return bool((batch.num_generated == 0).any())
+
+
 class MirrorModel(CausalLM):
     """Same interfaces as `LlamaModel`; no weights, so `from_config` is all it needs."""
 
@@ -79,7 +86,7 @@ class MirrorModel(CausalLM):
         return self.forward_many([(batch, pool)])[0]
 
     def forward_many(self, parts: Sequence[tuple[ForwardBatch, KVPool]]) -> list[torch.Tensor]:
-        if self.body is not None:
+        if self.body is not None and any(_prefills(batch) for batch, _ in parts):
             self.body.forward_many(parts)  # the real cost, one body pass; its output is not used
         with torch.inference_mode():
             for batch, pool in parts:

@@ -60,12 +60,18 @@ def spawn(
     argv: Sequence[str],
     *,
     env: Mapping[str, str] | None = None,
+    stdin: int | None = None,
     stdout: IO[bytes] | int | None = None,
     stderr: IO[bytes] | int | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start a child that ends when this process ends, however it ends (SIGKILL included)."""
     return subprocess.Popen(
-        list(argv), env=env, stdout=stdout, stderr=stderr, preexec_fn=parent_death_hook()
+        list(argv),
+        env=env,
+        stdin=stdin,
+        stdout=stdout,
+        stderr=stderr,
+        preexec_fn=parent_death_hook(),
     )
 
 

@@ -20,13 +20,15 @@ def verdict_of(out: Interval) -> Verdict:
     """An interval as the audit would grade it (facts unknown: inconclusive, never pass)."""
     if out.crossed or out.too_fast:
         return Verdict.FAIL
-    if not out.facts_known:
+    if not out.facts_known or out.error:  # unknown facts, or a probe that failed: not a pass
         return Verdict.INCONCLUSIVE
     return worst([r.verdict for r in (out.gate, out.boundary) if r is not None] or [Verdict.PASS])
 
 
 def report(url: str, out: Interval) -> None:
     state = "facts known" if out.facts_known else f"FACTS UNKNOWN ({out.error})"
+    if out.facts_known and out.error:
+        state += f"; PROBE FAILED ({out.error})"
     click.echo(f"{url}: {verdict_of(out).value}: {state}")
     if out.facts is not None:
         for name in ("pool_tokens", "context_length"):
@@ -154,6 +156,6 @@ def run_forever(guards: list[TargetGuard], interval: float) -> None:
         start = time.monotonic()
         for g in guards:
             out = g.cycle()
-            if out.changed or out.crossed or out.too_fast or not out.facts_known:
+            if out.changed or out.crossed or out.too_fast or not out.facts_known or out.error:
                 report(g.url, out)
         time.sleep(max(0.0, interval - (time.monotonic() - start)))

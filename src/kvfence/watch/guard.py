@@ -83,6 +83,7 @@ class TargetGuard:
         )
         self.rng = random.Random()
         self.fingerprint: Fingerprint | None = None
+        self.gated = False  # the gate ran on `fingerprint`'s facts
         self.timing = TimingWindow(config.budget.alpha)
         self.makers: Makers | None = None
         self.engine_latency = EngineLatency()
@@ -108,9 +109,8 @@ class TargetGuard:
             out = Interval(facts_known=False, error=f"{type(e).__name__}: {e}")
         self._charge(self.ctx.budget.sent - sent0)
         self.metrics.requests.labels(self.url).inc(self.ctx.budget.sent - sent0)
-        self.metrics.facts_known.labels(self.url).set(1 if out.facts_known else 0)
-        if out.facts_known:
-            self.metrics.last_success.labels(self.url).set(time.time())
+        if not out.facts_known:
+            self.metrics.facts_known.labels(self.url).set(0)
         self.last = out
         return out
 
@@ -125,19 +125,39 @@ class TargetGuard:
         if not fp.gateable:
             note = facts.pool_tokens.note
             return Interval(False, error="pool or context unknown: " + note, facts=facts)
+        # Known as soon as read: the gate re-run and the probes below can take minutes on a
+        # loaded machine, and the facts' state must not wait for them.
+        self.metrics.facts_known.labels(self.url).set(1)
+        self.metrics.last_success.labels(self.url).set(time.time())
         out = Interval(True, facts=facts)
+        try:
+            self._after_facts(target, facts, fp, out)
+        except Exception as e:
+            # The facts were read (and exported: the gate's alarm stands); what failed is a
+            # probe. Counted and alerted on (GuardProbesFailing), never mistaken for unknown
+            # facts, which would hide KVPoolBelowContext behind a probe's error.
+            log.warning("guard %s: probe failed: %s: %s", self.url, type(e).__name__, e)
+            out.error = f"probe failed: {type(e).__name__}: {e}"
+            self.metrics.probe_errors.labels(self.url).inc()
+        return out
+
+    def _after_facts(
+        self, target: Target, facts: TargetFacts, fp: Fingerprint, out: Interval
+    ) -> None:
+        """A change re-gates (and resets the timing window); then this interval's probes."""
         if fp != self.fingerprint:
             if self.fingerprint is not None:
                 out.changed = fp.diff(self.fingerprint)
                 self.metrics.changes.labels(self.url).inc()
                 log.warning("guard %s: capacity facts changed: %s", self.url, out.changed)
-            self.fingerprint = fp
+            self.fingerprint, self.gated = fp, False
             self.timing.clear()  # the physics changed with the facts
             self.makers = None  # and maybe the tokenizer
+        if not self.gated:  # a change, or a gate re-run that failed: (again) now
             out.gate, out.boundary = self._gate(target)
+            self.gated = True
         self._probe(target, facts, out)
         self._read_engine_latency(target, out)
-        return out
 
     def _gate(self, target: Target) -> tuple[CheckResult, CheckResult]:
         """The capacity gate and the boundary probe, exactly as `kvfence audit` runs them."""

@@ -107,6 +107,14 @@ SERIES: tuple[tuple[str, type[Gauge] | type[Counter], str, str, tuple[str, ...]]
         TARGET,
     ),
     (
+        "probe_errors",
+        Counter,
+        "kvfence_guard_probe_errors",
+        "Intervals whose gate re-run or probes failed after the facts were read (an error, "
+        "not unknown facts: the gate's state stands; the failed signal is unknown)",
+        TARGET,
+    ),
+    (
         "skipped",
         Counter,
         "kvfence_guard_probes_skipped",
@@ -169,6 +177,7 @@ class WatchMetrics:
     probes: Counter
     requests: Counter
     skipped: Counter
+    probe_errors: Counter
     last_success: Gauge
     engine_histograms: Gauge
     engine_observations: Gauge
@@ -187,6 +196,7 @@ class WatchMetrics:
             self.crossings,
             self.too_fast,
             self.skipped,
+            self.probe_errors,
             self.requests,
             self.engine_fast_long,
         ):

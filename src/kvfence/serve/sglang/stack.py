@@ -1,10 +1,11 @@
 """The real PD stack on loopback: sglang-router in PD mode in front of kvfence workers.
 
-Workers start first (each binds port 0 and announces its URL and bootstrap
-port on stdout, `worker.ANNOUNCE`); then `python -m sglang_router.launch_router
---pd-disaggregation --prefill URL/r/<secret> PORT … --decode URL/r/<secret> …`
-is started with those (through `router_main`: the same arguments and router,
-started lean). The router credential (the secret path, gate.py) is
+Workers start (each binds port 0 and announces its URL and bootstrap port on
+stdout, `worker.ANNOUNCE`); sglang-router is started beside them (`router_main`:
+sglang-router's own arguments and Rust router, loaded while the workers load
+their models) and, once every worker has announced, handed `--pd-disaggregation
+--prefill URL/r/<secret> PORT … --decode URL/r/<secret> …` on its stdin. The
+router credential (the secret path, gate.py) is
 drawn here and handed to the workers in a 0600 file. All are supervised
 together: one dies, or Ctrl-C, and every other one stops, with a message
 naming which ended (serve/supervisor.py).
@@ -26,6 +27,7 @@ from types import TracebackType
 from typing import Any
 
 from kvfence.serve.sglang.gate import router_url
+from kvfence.serve.sglang.router_main import ARGS_ON_STDIN
 from kvfence.serve.supervisor import Supervisor, free_port, spawn
 
 ANNOUNCE = "KVFENCE_SGLANG_WORKER "  # worker.ANNOUNCE (kept torch-free here)
@@ -88,10 +90,12 @@ class Stack:
         names = [f"{r}-{i}" for i, r in enumerate(roles)]
         for name, role in zip(names, roles, strict=True):
             self._spawn(name, self._worker_argv(role, secret_file), dict(self.spec.worker_env))
+        router = [sys.executable, "-m", "kvfence.serve.sglang.router_main", ARGS_ON_STDIN]
+        self._spawn("sglang-router", router, stdin=subprocess.PIPE)
         deadline = time.monotonic() + self.spec.startup_timeout_s
         self.workers = [self._announced(n, r, deadline) for n, r in zip(names, roles, strict=True)]
         port = self.spec.port or free_port(self.spec.host)
-        self._spawn("sglang-router", self._router_argv(port))
+        self._hand_router(self._router_args(port))
         self.url = f"http://{self.spec.host}:{port}"
         self._wait_registered(deadline)
 
@@ -131,9 +135,8 @@ class Stack:
             "0",
         ]
 
-    def _router_argv(self, port: int) -> list[str]:
-        # sglang-router's launcher minus its Python fallback balancer's imports (router_main.py).
-        argv = [sys.executable, "-m", "kvfence.serve.sglang.router_main", "--pd-disaggregation"]
+    def _router_args(self, port: int) -> list[str]:
+        argv = ["--pd-disaggregation"]
         for w in self.workers:
             if w.role == "prefill":
                 argv += ["--prefill", self.router_url_of(w), str(w.bootstrap_port)]
@@ -144,11 +147,28 @@ class Stack:
         argv += ["--prometheus-host", self.spec.host, "--prometheus-port", str(free_port())]
         return [*argv, *self.spec.router_args]
 
-    def _spawn(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> None:
+    def _spawn(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: dict[str, str] | None = None,
+        stdin: int | None = None,
+    ) -> None:
         full_env = {**os.environ, **env} if env else None
         with (self.workdir / f"{name}.log").open("wb") as out:
-            proc = spawn(argv, env=full_env, stdout=out, stderr=subprocess.STDOUT)  # ends with us
-        self.supervisor.procs[name] = proc
+            proc = spawn(argv, env=full_env, stdin=stdin, stdout=out, stderr=subprocess.STDOUT)
+        self.supervisor.procs[name] = proc  # it ends with us (spawn)
+
+    def _hand_router(self, args: list[str]) -> None:
+        """The router's arguments, on the stdin it waits on (router_main.ARGS_ON_STDIN)."""
+        proc = self.supervisor.procs["sglang-router"]
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write((json.dumps(args) + "\n").encode())
+            proc.stdin.close()
+        except BrokenPipeError:
+            self._check_alive("sglang-router")  # it ended: say how, with its log
+            raise StackError("sglang-router closed its stdin before taking its arguments") from None
 
     def _announced(self, name: str, role: str, deadline: float) -> Worker:
         while time.monotonic() < deadline:
