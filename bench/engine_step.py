@@ -23,10 +23,13 @@ and one result line:
 With `--compare ledger`: the same decode steps with the I1 ledger check on
 (production) vs the lab's `no-ledger-check` fault; `--compare linear`: the
 few-token linear kernel vs torch's linear. At each `--levels` row count the
-two alternate `--repeats` times (order flipped each repeat), medians compared:
+two alternate `--repeats` times (order flipped each repeat), medians compared.
+Beside it, far less sensitive to machine load: the I1 checks' own time (`_check_slots` + `KVPool.verify`)
+as a share of each production step, timed inside the same steps:
 
   engine_compare preset=... rows=... ledger_step_ms=... no-ledger_step_ms=...
-  cost_of_ledger=...% load1=...
+  step_ratio_ledger/no-ledger=... (cost_of_ledger=...%) i1_checks_share_of_step=...%
+  load1=...
 
 Usage: python bench/engine_step.py [--preset tiny|smollm] [--threads N]
        python bench/engine_step.py --compare ledger|linear [--preset smollm] [--threads 2]
@@ -36,22 +39,26 @@ Usage: python bench/engine_step.py [--preset tiny|smollm] [--threads N]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import random
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 import kvfence.engine.runner as runner_module
+import kvfence.model.attention as attention_module
 from kvfence.engine.backend import GenerateWork
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.messages import Failure, SamplingParams
 from kvfence.engine.pipeline import CollectingSink, LocalPipeline
 from kvfence.faults import Fault, FaultSet
+from kvfence.kv.pool import KVPool
 from kvfence.model.linear_cpu import CPULinear
 from kvfence.model.loader import load_model
 from kvfence.model.tiny import make_tiny_checkpoint
@@ -186,6 +193,36 @@ class _Steps:
     forward_ms: float  # the model's forward inside those steps
     build_ms: float
     steps: int
+    i1_share: float  # median over those steps of (I1 checks' time) / (step time)
+
+
+class _I1Clock:
+    """Seconds spent in the I1 checks (`_check_slots` and `KVPool.verify`) while installed."""
+
+    def __init__(self) -> None:
+        self.s = 0.0
+
+    def wrap(self, fn: Any) -> Any:
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.s += time.perf_counter() - t0
+
+        return timed
+
+
+@contextlib.contextmanager
+def i1_clock(clock: _I1Clock) -> Iterator[None]:
+    check, verify = attention_module._check_slots, KVPool.verify
+    attention_module._check_slots = clock.wrap(check)
+    KVPool.verify = clock.wrap(verify)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        attention_module._check_slots = check
+        KVPool.verify = verify  # type: ignore[method-assign]
 
 
 def decode_steps(
@@ -209,15 +246,19 @@ def decode_steps(
         )
     steps: list[float] = []
     forwards: list[float] = []
+    shares: list[float] = []
     decode_step = pipe.decode.step
+    clock = _I1Clock()
 
     def timed_step() -> None:
         full = len(pipe.decode.running) == rows
+        i1_before = clock.s
         t0 = time.perf_counter()
         decode_step()
         if full:
             steps.append(time.perf_counter() - t0)
             forwards.append(timed.last_s)
+            shares.append((clock.s - i1_before) / steps[-1])
 
     builds: list[float] = []
     real_build = runner_module.build_forward_batch
@@ -231,7 +272,8 @@ def decode_steps(
     runner_module.build_forward_batch = timed_build
     pipe.decode.step = timed_step  # type: ignore[method-assign]
     try:
-        pipe.drive()
+        with i1_clock(clock):
+            pipe.drive()
     finally:
         runner_module.build_forward_batch = real_build
     pipe.check_integrity()
@@ -240,6 +282,7 @@ def decode_steps(
         statistics.median(forwards) * 1e3,
         statistics.median(builds) * 1e3,
         len(steps),
+        statistics.median(shares),
     )
 
 
@@ -257,19 +300,25 @@ def compare(args: argparse.Namespace, loaded: Any) -> None:
     load0 = os.getloadavg()[0]
     for rows in args.levels:
         ms: dict[str, list[float]] = {name: [] for name in variants}
+        share: list[float] = []
         for rep in range(args.repeats):
             order = list(variants) if rep % 2 == 0 else list(variants)[::-1]
             for name in order:
                 faults, linear = variants[name]
                 model.linear = linear
-                ms[name].append(decode_steps(model, geometry, rows, faults, vocab).step_ms)
+                r = decode_steps(model, geometry, rows, faults, vocab)
+                ms[name].append(r.step_ms)
+                if not faults:
+                    share.append(r.i1_share)
         a, b = (statistics.median(ms[n]) for n in variants)
         na, nb = variants
         print(
             f"engine_compare preset={args.preset} threads={args.threads} rows={rows} "
             f"repeats={args.repeats} {na}_step_ms={a:.2f} {nb}_step_ms={b:.2f} "
             f"{na}_tok_s={rows * 1e3 / a:.1f} {nb}_tok_s={rows * 1e3 / b:.1f} "
-            f"cost_of_{na}={100 * (a / b - 1):+.2f}% load1={load0:.2f}->{os.getloadavg()[0]:.2f}",
+            f"step_ratio_{na}/{nb}={a / b:.3f} (cost_of_{na}={100 * (a / b - 1):+.2f}%) "
+            f"i1_checks_share_of_step={100 * statistics.median(share):.3f}% "
+            f"load1={load0:.2f}->{os.getloadavg()[0]:.2f}",
             flush=True,
         )
     model.linear = kernel_linear

@@ -55,3 +55,32 @@ def test_other_inputs_take_torch_linear(x: torch.Tensor) -> None:
 def test_a_feature_mismatch_is_refused() -> None:
     with pytest.raises(ValueError, match="8 features, weight expects 6"):
         linear_cpu.CPULinear()(torch.randn(2, 8), torch.randn(4, 6))
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 6, 16, 17])
+def test_the_fused_norm_equals_rms_norm_then_linear(tokens: int) -> None:
+    torch.manual_seed(tokens)
+    x, norm = torch.randn(tokens, 96) * 3, torch.rand(96) + 0.5
+    w, b = torch.randn(70, 96), torch.randn(70)
+    want = F.linear(F.rms_norm(x, (96,), norm, 1e-5), w, b)
+    got = linear_cpu.CPULinear().normed(x, norm, 1e-5, w, b)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-5)
+    # The norm is really applied: without it the result is far off.
+    assert not torch.allclose(linear_cpu.CPULinear()(x, w, b), want, atol=1e-2)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 16, 17])
+def test_the_fused_swiglu_and_residual_equal_torch(tokens: int) -> None:
+    torch.manual_seed(tokens)
+    gate_up, w, b = torch.randn(tokens, 2 * 48), torch.randn(70, 48), torch.randn(70)
+    residual = torch.randn(tokens, 70)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = residual + F.linear(F.silu(gate) * up, w, b)
+    linear = linear_cpu.CPULinear()
+    assert torch.allclose(linear.glu(gate_up, w, b, residual=residual), want, atol=1e-4)
+    x = torch.randn(tokens, 48)
+    assert torch.allclose(
+        linear(x, w, b, residual=residual), residual + F.linear(x, w, b), atol=1e-4
+    )
+    # The residual is really added (a kernel that dropped it would match the bare linear).
+    assert not torch.allclose(linear(x, w, b, residual=residual), F.linear(x, w, b), atol=1e-2)

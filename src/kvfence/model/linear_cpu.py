@@ -4,7 +4,7 @@ A decode step at low concurrency multiplies a handful of token rows by every
 weight matrix, so it is bound by reading the weights once. torch's float32
 linear (MKL) reads them at about half the memory bandwidth there; the kernel
 in `csrc/small_linear.cpp` streams each weight row once against up to four
-tokens in registers (`bench/engine_step.py --linear` measures both in one run).
+tokens in registers, with the RMSNorm before it fused into the same call (`bench/engine_step.py --linear` measures both in one run).
 Prefill-sized batches, other dtypes and non-contiguous operands take
 `F.linear`. Built with the paged decode kernel (`model.paged_cpu`).
 """
@@ -18,42 +18,125 @@ import torch.nn.functional as F
 
 from kvfence.model.paged_cpu import library
 
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm: normalise in float32, cast back, then scale."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
 SMALL_TOKENS = 16  # at or below: the kernel (it matched or beat MKL up to 16 rows here)
 
 
 class CPULinear:
-    """`linear(x, w, b)` = `F.linear(x, w, b)`; the kernel for float32 steps of few tokens."""
+    """`linear(x, w, b)` = `F.linear(x, w, b)`; the kernel for float32 steps of few tokens.
+
+    `normed` and `glu` fold the RMSNorm before a projection and the SwiGLU before
+    the down projection into the same call; `residual` adds the skip connection.
+    """
 
     def __init__(self, kernel: bool = True) -> None:
         lib = library() if kernel else None
         self._fn = None if lib is None else lib.kvf_small_linear
         if self._fn is not None:
             self._fn.restype = None
-            self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+            ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+            self._fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ptr]
+            self._fn.argtypes += [ctypes.c_float, ctypes.c_int, ptr]
 
     @property
     def has_kernel(self) -> bool:
         return self._fn is not None
 
     def __call__(
-        self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        b: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if (
-            self._fn is None
-            or x.dim() != 2
-            or x.shape[0] > SMALL_TOKENS
-            or not (x.dtype == w.dtype == torch.float32)
-            or not (x.is_contiguous() and w.is_contiguous())
-            or (b is not None and not (b.dtype == torch.float32 and b.is_contiguous()))
-        ):
-            return F.linear(x, w, b)
-        m, k = x.shape
+        """`residual + F.linear(x, w, b)` (no residual: just the linear)."""
+        if not self._fits(x, w, b, residual):
+            y = F.linear(x, w, b)
+            return y if residual is None else residual + y
+        return self._run(x, w, b, residual=residual)
+
+    def normed(
+        self,
+        x: torch.Tensor,
+        norm: torch.Tensor,
+        eps: float,
+        w: torch.Tensor,
+        b: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`linear(rms_norm(x, norm, eps), w, b)`, the norm fused into the kernel's call."""
+        if not (self._fits(x, w, b, None) and _f32(norm)):
+            return F.linear(rms_norm(x, norm, eps), w, b)
+        return self._run(x, w, b, norm=norm, eps=eps)
+
+    def glu(
+        self,
+        gate_up: torch.Tensor,
+        w: torch.Tensor,
+        b: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`residual + linear(silu(gate) * up, w, b)` for a fused [T, 2 * ff] gate/up output."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        if not (self._fits(gate_up, w, b, residual) and gate_up.shape[1] == 2 * w.shape[1]):
+            y = F.linear(F.silu(gate) * up, w, b)
+            return y if residual is None else residual + y
+        return self._run(gate_up, w, b, glu=True, residual=residual)
+
+    def _fits(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        b: torch.Tensor | None,
+        residual: torch.Tensor | None,
+    ) -> bool:
+        return (
+            self._fn is not None
+            and x.dim() == 2
+            and x.shape[0] <= SMALL_TOKENS
+            and _f32(x)
+            and _f32(w)
+            and (b is None or _f32(b))
+            and (
+                residual is None or (_f32(residual) and residual.shape == (x.shape[0], w.shape[0]))
+            )
+        )
+
+    def _run(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        b: torch.Tensor | None,
+        *,
+        norm: torch.Tensor | None = None,
+        eps: float = 0.0,
+        glu: bool = False,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        assert self._fn is not None
+        m, k = x.shape[0], x.shape[1] // 2 if glu else x.shape[1]
         n = w.shape[0]
         if w.shape[1] != k:
             raise ValueError(f"linear: input has {k} features, weight expects {w.shape[1]}")
         out = torch.empty((m, n), dtype=torch.float32)
         self._fn(
-            x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(),
-            m, n, k, torch.get_num_threads(),
+            x.data_ptr(), w.data_ptr(), _ptr(b), out.data_ptr(), m, n, k,
+            torch.get_num_threads(), _ptr(norm), eps, int(glu), _ptr(residual),
         )  # fmt: skip
         return out
+
+
+def _f32(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.is_contiguous()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()

@@ -50,15 +50,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: normalise in float32, cast back, then scale."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 def _param(t: torch.Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(t, requires_grad=False)
 
@@ -94,9 +85,8 @@ class DecoderLayer(torch.nn.Module):
         """x [T, hidden] for every part's tokens: one matmul per weight, attention per pool."""
         c = model.config
         t = x.shape[0]
-        h = rms_norm(x, self.input_norm, c.rms_norm_eps)
         linear = model.linear
-        qkv = linear(h, self.qkv_weight, self.qkv_bias)
+        qkv = linear.normed(x, self.input_norm, c.rms_norm_eps, self.qkv_weight, self.qkv_bias)
         # q and k are adjacent in the fused projection: rotate them in one go.
         qk = apply_rope(
             qkv[:, : self.q_size + self.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim),
@@ -114,10 +104,11 @@ class DecoderLayer(torch.nn.Module):
                     for p in parts
                 ]
             )
-        x = x + linear(o, self.o_weight, self.o_bias)
-        h = rms_norm(x, self.post_norm, c.rms_norm_eps)
-        gate, up = linear(h, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        x = linear(o, self.o_weight, self.o_bias, residual=x)
+        gate_up = linear.normed(
+            x, self.post_norm, c.rms_norm_eps, self.gate_up_weight, self.gate_up_bias
+        )
+        return linear.glu(gate_up, self.down_weight, self.down_bias, residual=x)
 
     def _attend(
         self, model: LlamaModel, part: _Part, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -240,9 +231,9 @@ class LlamaModel(CausalLM):
             for layer in self.layers:
                 x = layer(x, self, steps, cos, sin)
             rows = [p.logit_rows() for p in steps]
-            x = rms_norm(x[torch.cat(rows)], self.norm, self.config.rms_norm_eps)
             head = self.embed if self.lm_head is None else self.lm_head
-            logits = self.linear(x, head).float()
+            x = x[torch.cat(rows)]
+            logits = self.linear.normed(x, self.norm, self.config.rms_norm_eps, head).float()
             return list(logits.split([r.numel() for r in rows]))
 
     def _plan(self, parts: Sequence[tuple[ForwardBatch, KVPool]]) -> list[_Part]:

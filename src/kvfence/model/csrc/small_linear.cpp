@@ -1,4 +1,7 @@
-// out[M, N] = x[M, K] @ w[N, K]^T (+ bias) for the few-token steps of decode.
+// out[M, N] = x[M, K] @ w[N, K]^T (+ bias) for the few-token steps of decode,
+// optionally with x first RMS-normalised and scaled by `norm` (HF's float32 RMSNorm)
+// or x = silu(gate) * up of a fused gate/up output [M, 2K] (`glu`), and optionally
+// with a residual [M, N] added to the result.
 //
 // At a handful of tokens a linear layer is bound by reading its weights once.
 // Each thread streams its own block of weight rows, four at a time, against
@@ -6,14 +9,16 @@
 // step. Built with paged_decode.cpp into one library (kvfence.model.paged_cpu)
 // and called through kvfence.model.linear_cpu; prefill-sized batches stay on
 // the BLAS path.
+#include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
 // Rows n0..n0+3 of w against tokens m0..m0+MB-1 of x (1 <= MB <= 4).
 template <int MB>
-void tile(const float* x, const float* w, const float* bias, float* out, int64_t m0, int64_t n0,
-          int64_t N, int64_t K) {
+void tile(const float* x, const float* w, const float* bias, const float* res, float* out,
+          int64_t m0, int64_t n0, int64_t N, int64_t K) {
   const float* w0 = w + n0 * K;
   const float* w1 = w0 + K;
   const float* w2 = w1 + K;
@@ -37,24 +42,49 @@ void tile(const float* x, const float* w, const float* bias, float* out, int64_t
                            {a30, a31, a32, a33}};
   for (int i = 0; i < MB; ++i) {
     float* o = out + (m0 + i) * N + n0;
-    for (int j = 0; j < 4; ++j) o[j] = acc[i][j] + (bias ? bias[n0 + j] : 0.0f);
+    const float* r = res ? res + (m0 + i) * N + n0 : nullptr;
+    for (int j = 0; j < 4; ++j) {
+      o[j] = acc[i][j] + (bias ? bias[n0 + j] : 0.0f);
+      if (r) o[j] += r[j];
+    }
   }
 }
 
 }  // namespace
 
 extern "C" void kvf_small_linear(const float* x, const float* w, const float* bias, float* out,
-                                 int64_t M, int64_t N, int64_t K, int threads) {
+                                 int64_t M, int64_t N, int64_t K, int threads, const float* norm,
+                                 float eps, int glu, const float* res) {
+  std::vector<float> normed;
+  if (glu) {  // x is [M, 2K]: gate then up
+    normed.resize(M * K);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* g = x + m * 2 * K;
+      const float* u = g + K;
+      for (int64_t k = 0; k < K; ++k) normed[m * K + k] = g[k] / (1.0f + std::exp(-g[k])) * u[k];
+    }
+    x = normed.data();
+  } else if (norm) {  // x[m] * rsqrt(mean(x[m]^2) + eps) * norm, once per token before the weights
+    normed.resize(M * K);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      float ss = 0.0f;
+      for (int64_t k = 0; k < K; ++k) ss += xm[k] * xm[k];
+      const float r = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
+      for (int64_t k = 0; k < K; ++k) normed[m * K + k] = xm[k] * r * norm[k];
+    }
+    x = normed.data();
+  }
   const int64_t blocks = N / 4;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t nb = 0; nb < blocks; ++nb) {
     const int64_t n0 = nb * 4;
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) tile<4>(x, w, bias, out, m, n0, N, K);
+    for (; m + 4 <= M; m += 4) tile<4>(x, w, bias, res, out, m, n0, N, K);
     switch (M - m) {
-      case 3: tile<3>(x, w, bias, out, m, n0, N, K); break;
-      case 2: tile<2>(x, w, bias, out, m, n0, N, K); break;
-      case 1: tile<1>(x, w, bias, out, m, n0, N, K); break;
+      case 3: tile<3>(x, w, bias, res, out, m, n0, N, K); break;
+      case 2: tile<2>(x, w, bias, res, out, m, n0, N, K); break;
+      case 1: tile<1>(x, w, bias, res, out, m, n0, N, K); break;
       default: break;
     }
   }
@@ -62,7 +92,7 @@ extern "C" void kvf_small_linear(const float* x, const float* w, const float* bi
     for (int64_t m = 0; m < M; ++m) {
       float a = 0.0f;
       for (int64_t k = 0; k < K; ++k) a += w[n * K + k] * x[m * K + k];
-      out[m * N + n] = a + (bias ? bias[n] : 0.0f);
+      out[m * N + n] = a + (bias ? bias[n] : 0.0f) + (res ? res[m * N + n] : 0.0f);
     }
   }
 }
