@@ -60,8 +60,7 @@ class CPULinear:
     ) -> torch.Tensor:
         """`residual + F.linear(x, w, b)` (no residual: just the linear)."""
         if not self._fits(x, w, b, residual):
-            y = F.linear(x, w, b)
-            return y if residual is None else residual + y
+            return _plus(residual, F.linear(x, w, b))
         return self._run(x, w, b, residual=residual)
 
     def normed(
@@ -85,10 +84,9 @@ class CPULinear:
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`residual + linear(silu(gate) * up, w, b)` for a fused [T, 2 * ff] gate/up output."""
-        gate, up = gate_up.chunk(2, dim=-1)
         if not (self._fits(gate_up, w, b, residual) and gate_up.shape[1] == 2 * w.shape[1]):
-            y = F.linear(F.silu(gate) * up, w, b)
-            return y if residual is None else residual + y
+            gate, up = gate_up.chunk(2, dim=-1)
+            return _plus(residual, F.linear(F.silu(gate) * up, w, b))
         return self._run(gate_up, w, b, glu=True, residual=residual)
 
     def _fits(
@@ -132,6 +130,10 @@ class CPULinear:
             torch.get_num_threads(), _ptr(norm), eps, int(glu), _ptr(residual),
         )  # fmt: skip
         return out
+
+
+def _plus(residual: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+    return y if residual is None else residual + y
 
 
 def _f32(t: torch.Tensor) -> bool:
