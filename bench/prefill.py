@@ -8,14 +8,20 @@ forwards of two kinds:
   mixed:   a 256-token chunk of a prompt that already has 256 tokens cached,
            plus 16 decode rows (one token each, 256 cached), in one forward
 
-under each variant, interleaved (ABBA, `--repeats` each), medians compared.
-Variants: `onednn` (production: linears above SMALL_TOKENS rows through
-oneDNN with packed weights) against `mkl` (torch's F.linear, the path before
-it). Both variants run the I1 checks (`begin_step`) in every step. Prints one
-line per workload:
+under each variant, interleaved (the order rotates each repeat, `--repeats`
+each), medians compared against `before`:
 
-  prefill kind=prefill tokens=256 onednn_ms=... mkl_ms=... speedup=... onednn_ms_per_token=...
-  max_logit_diff=... load1=a->b
+  prod:        production (linears above SMALL_TOKENS rows through oneDNN with
+               packed weights, RMSNorm and RoPE as one C++ pass each)
+  onednn-only: oneDNN linears, torch's RMSNorm and RoPE
+  before:      torch's F.linear (MKL) and torch's RMSNorm and RoPE (the path
+               before either; the few-token kernels stay in every variant)
+
+Every variant runs the I1 checks (`begin_step`) in every step. Prints one line
+per workload:
+
+  prefill kind=prefill tokens=256 prod_ms=... onednn-only_ms=... before_ms=...
+  speedup_prod=... speedup_onednn-only=... prod_ms_per_token=... max_logit_diff=... load1=a->b
 
 Usage: python bench/prefill.py [--threads 2] [--lengths 64 256 512] [--repeats 3]
 """
@@ -36,9 +42,11 @@ from kvfence.model.batching import RowSpec, build_forward_batch
 from kvfence.model.linear_cpu import CPULinear
 from kvfence.model.llama import LlamaModel
 from kvfence.model.loader import load_model
+from kvfence.model.rows_cpu import RowOps
 from kvfence.model.tiny import make_tiny_checkpoint
 
 Step = Callable[[], torch.Tensor]
+Variant = tuple[CPULinear, RowOps]
 
 
 def _row(pool: KVPool, ids: list[int], start: int, capacity: int) -> RowSpec:
@@ -71,21 +79,22 @@ def mixed_step(model: LlamaModel, pool: KVPool, gen: torch.Generator) -> Step:
 
 
 def time_variants(
-    model: LlamaModel, step: Step, variants: dict[str, CPULinear], repeats: int
+    model: LlamaModel, step: Step, variants: dict[str, Variant], repeats: int
 ) -> tuple[dict[str, float], float]:
-    """Median ms per variant (ABBA order), and the largest logit difference between them."""
+    """Median ms per variant (order rotated each repeat), and the largest logit difference."""
     ms: dict[str, list[float]] = {name: [] for name in variants}
     out: dict[str, torch.Tensor] = {}
+    names = list(variants)
     for rep in range(repeats + 1):
-        order = list(variants) if rep % 2 == 0 else list(variants)[::-1]
-        for name in order:
-            model.linear = variants[name]
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            model.linear, model.rows = variants[name]
             t0 = time.perf_counter()
             out[name] = step()
             if rep > 0:  # the first round warms up (and packs the weights once)
                 ms[name].append((time.perf_counter() - t0) * 1e3)
-    a, b = out.values()
-    return {n: statistics.median(v) for n, v in ms.items()}, float((a - b).abs().max())
+    ref = out["before"]
+    diff = max(float((o - ref).abs().max()) for o in out.values())
+    return {n: statistics.median(v) for n, v in ms.items()}, diff
 
 
 def main() -> None:
@@ -103,7 +112,12 @@ def main() -> None:
         loaded = load_model(d, kind="llama")
     model = loaded.model
     assert isinstance(model, LlamaModel)
-    variants = {"onednn": model.linear, "mkl": CPULinear(onednn=False)}
+    torch_rows = RowOps(kernel=False)
+    variants: dict[str, Variant] = {
+        "prod": (model.linear, model.rows),
+        "onednn-only": (CPULinear(rows=torch_rows), torch_rows),
+        "before": (CPULinear(onednn=False, rows=torch_rows), torch_rows),
+    }
     gen = torch.Generator().manual_seed(args.seed)
     work: list[tuple[str, int, Step]] = []
     pages = sum(-(-n // 16) for n in args.lengths) + 17 * 33 + 8
@@ -114,11 +128,13 @@ def main() -> None:
     for kind, tokens, step in work:
         load0 = os.getloadavg()[0]
         ms, diff = time_variants(model, step, variants, args.repeats)
-        a, b = ms["onednn"], ms["mkl"]
+        base = ms["before"]
         print(
             f"prefill kind={kind} tokens={tokens} threads={args.threads} repeats={args.repeats} "
-            f"onednn_ms={a:.1f} mkl_ms={b:.1f} speedup={b / a:.3f} "
-            f"onednn_ms_per_token={a / tokens:.3f} max_logit_diff={diff:.2e} "
+            + " ".join(f"{n}_ms={v:.1f}" for n, v in ms.items())
+            + " "
+            + " ".join(f"speedup_{n}={base / v:.3f}" for n, v in ms.items() if n != "before")
+            + f" prod_ms_per_token={ms['prod'] / tokens:.3f} max_logit_diff={diff:.2e} "
             f"load1={load0:.2f}->{os.getloadavg()[0]:.2f}",
             flush=True,
         )

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfence.model import linear_cpu, linear_onednn
+from kvfence.model.rows_cpu import RowOps, torch_rms_norm, torch_rope
 
 ROWS = linear_cpu.SMALL_TOKENS + 1
 
@@ -37,7 +38,7 @@ def test_packed_linear_and_residual_equal_torch(tokens: int, bias: bool) -> None
 def test_mlp_equals_norm_swiglu_down_residual(tokens: int, bias: bool) -> None:
     torch.manual_seed(tokens)
     x, norm = torch.randn(tokens, 48) * 2, torch.rand(48) + 0.5
-    gate_up_w, down_w = torch.randn(2 * 40, 48), torch.randn(48, 40)
+    gate_up_w, down_w = torch.randn(2 * 40, 48) * 0.2, torch.randn(48, 40) * 0.2
     gate_up_b, down_b = (torch.randn(80), torch.randn(48)) if bias else (None, None)
     h = F.rms_norm(x, (48,), norm, 1e-5)
     gate, up = F.linear(h, gate_up_w, gate_up_b).chunk(2, dim=-1)
@@ -58,3 +59,23 @@ def test_weights_changed_in_place_are_repacked_after_forget() -> None:
     assert torch.allclose(linear(x, w), before)  # still the packed copy of the old weights
     linear.forget_packed()
     assert torch.allclose(linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64, 130])
+def test_row_kernels_equal_torch_norm_and_rope(tokens: int) -> None:
+    torch.manual_seed(tokens)
+    rows = RowOps()
+    assert rows.has_kernel and not RowOps(kernel=False).has_kernel
+    x, w = torch.randn(tokens, 96) * 3, torch.rand(96) + 0.5
+    assert torch.allclose(rows.rms_norm(x, w, 1e-5), torch_rms_norm(x, w, 1e-5), atol=1e-5)
+    # RoPE on the q/k heads of a fused projection, in place, v untouched.
+    qkv = torch.randn(tokens, 5 * 16)
+    freqs = torch.arange(tokens).float()[:, None] * (1e-2 ** (torch.arange(8) / 8))[None]
+    cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+    want = torch_rope(qkv[:, :64].reshape(tokens, 4, 16), cos, sin)
+    v, before = qkv[:, 64:].clone(), qkv[:, :64].clone()
+    got = rows.rope(qkv[:, :64].view(tokens, 4, 16), cos, sin)
+    assert torch.allclose(got, want, atol=1e-6)
+    assert torch.equal(qkv[:, 64:], v)
+    # Position 0 is the identity; any later one really rotates.
+    assert tokens == 1 or not torch.allclose(got.reshape(tokens, 64), before, atol=1e-3)

@@ -20,16 +20,7 @@ import torch.nn.functional as F
 from kvfence.model import linear_onednn
 from kvfence.model.linear_onednn import PackedLinears
 from kvfence.model.paged_cpu import library
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: normalise in float32, cast back, then scale."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
+from kvfence.model.rows_cpu import RowOps
 
 SMALL_TOKENS = 16  # at or below: the kernel (it matched or beat MKL up to 16 rows here)
 
@@ -43,8 +34,11 @@ class CPULinear:
     `mlp` is a layer's whole MLP half.
     """
 
-    def __init__(self, kernel: bool = True, onednn: bool = True) -> None:
+    def __init__(
+        self, kernel: bool = True, onednn: bool = True, rows: RowOps | None = None
+    ) -> None:
         self.packed = PackedLinears() if onednn and linear_onednn.available() else None
+        self.rows = rows or RowOps(kernel)
         lib = library() if kernel else None
         self._fn = None if lib is None else lib.kvf_small_linear
         if self._fn is not None:
@@ -81,7 +75,7 @@ class CPULinear:
     ) -> torch.Tensor:
         """`linear(rms_norm(x, norm, eps), w, b)`, the norm fused into the kernel's call."""
         if not (self._fits(x, w, b, None) and _f32(norm)):
-            return self(rms_norm(x, norm, eps), w, b)
+            return self(self.rows.rms_norm(x, norm, eps), w, b)
         return self._run(x, w, b, norm=norm, eps=eps)
 
     def glu(
@@ -115,7 +109,7 @@ class CPULinear:
             and down_w.shape[0] == x.shape[1]
             and (down_b is None or _f32(down_b))
         ):
-            h = rms_norm(x, norm, eps)
+            h = self.rows.rms_norm(x, norm, eps)
             return self.packed.glu(h, gate_up_w, gate_up_b, down_w, down_b, residual=x)
         gate_up = self.normed(x, norm, eps, gate_up_w, gate_up_b)
         return self.glu(gate_up, down_w, down_b, residual=x)

@@ -21,6 +21,7 @@ from kvfence.model.attention import AttentionBackend, AttentionPlan, begin_step,
 from kvfence.model.base import CausalLM, ForwardBatch
 from kvfence.model.config import ModelConfig, RopeScaling
 from kvfence.model.linear_cpu import CPULinear
+from kvfence.model.rows_cpu import RowOps
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -41,13 +42,6 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
     return inv
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, 1, head_dim/2] (HF's rotate_half convention)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 def _param(t: torch.Tensor) -> torch.nn.Parameter:
@@ -88,7 +82,7 @@ class DecoderLayer(torch.nn.Module):
         linear = model.linear
         qkv = linear.normed(x, self.input_norm, c.rms_norm_eps, self.qkv_weight, self.qkv_bias)
         # q and k are adjacent in the fused projection: rotate them in one go.
-        qk = apply_rope(
+        qk = model.rows.rope(
             qkv[:, : self.q_size + self.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim),
             cos,
             sin,
@@ -155,6 +149,7 @@ class LlamaModel(CausalLM):
         self.dtype = dtype
         self.backend = backend or get_backend("cpu")
         self.linear = linear or CPULinear()
+        self.rows = RowOps()
         self.scale = config.head_dim**-0.5
         self.embed = _param(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
         self.layers = torch.nn.ModuleList(

@@ -31,7 +31,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(
-    Path(__file__).parent / "csrc" / n for n in ("paged_decode.cpp", "small_linear.cpp")
+    Path(__file__).parent / "csrc" / n for n in ("paged_decode.cpp", "small_linear.cpp", "rows.cpp")
 )
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
