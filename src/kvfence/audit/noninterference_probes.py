@@ -25,6 +25,17 @@ class NoninterferenceConfig:
     input limit (where the Workers AI reject path fired), else at the input
     limit but at most ``long_probe_cap`` tokens. A's load: ``load_concurrency``
     threads sending ``load_tokens``-token prompts (``load_max_tokens`` out).
+
+    A's requests are short, since every B repeat under load waits one of them out
+    (`Load`), but each one still grows a page while it decodes (64 + 16 tokens, page
+    16: four pages reserved for the prompt, a fifth taken mid-decode). That keeps the
+    number of pages A holds moving. With LIFO page reuse, B's last released page stays
+    on top of the free list for as long as A's held pages never exceed what they were
+    when B released it; A requests whose footprint never changes (40 + 4 tokens: three
+    pages, never grown) hand the same pages round and round above it: the lab's long
+    probe read its own earlier answer back on 2 or more of 10 repeats in 6 of 9 runs
+    (a missed leak). 64 + 16 diverged on 10 of 10 in 10 of 10 runs at load 8-12, as
+    192 + 16 did, in about half the wall time.
     """
 
     probes: int = 4
@@ -35,7 +46,7 @@ class NoninterferenceConfig:
     long_probe_cap: int = 1024
     logprobs: int = 1
     load_concurrency: int = 3
-    load_tokens: int = 192
+    load_tokens: int = 64
     load_max_tokens: int = 16
     alpha: float | None = None  # None: the audit's share (AuditContext.alpha_for)
     token_range: tuple[int, int] = (100, 500)
