@@ -29,12 +29,29 @@ TINY_KV_BYTES = 64 * 1024 * 1024
 TINY_CONTEXT = 4096
 
 
-def quiet_openmp_waits() -> None:
-    """OMP_WAIT_POLICY=PASSIVE unless the user set a policy: libgomp reads it once, when torch
-    loads it. Its default lets idle OpenMP threads spin after every parallel region; on a
-    small shared machine those spinning threads hold the cores the model's next op needs
-    (bench/threads.py, 2 cores, load 5: 1.9x the throughput with 2 threads)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# A lone server's OpenMP workers spin this many iterations (about 0.1 ms) before they sleep.
+SERVE_SPIN_COUNT = "10000"
+
+
+def set_openmp_waits(command: str) -> None:
+    """How idle OpenMP threads wait, unless the user chose (OMP_WAIT_POLICY or GOMP_SPINCOUNT).
+
+    libgomp reads it once, when torch loads it, so it is set before any command module is
+    imported. A lone `kvfence serve` spins briefly: long enough to span the Python between
+    one step's ops, short enough to sleep soon after a step (libgomp's default spins 3 ms).
+    Every other command may run several engines and the audit client on the same cores
+    (the main job, `audit --embedded`, the lab): there spinning threads hold the cores
+    another process needs, so every wait sleeps (PASSIVE), and the servers those commands
+    start inherit it. Measured with bench/openmp_waits.py (2 cores, SmolLM2-135M geometry,
+    a decode step at batch 1): idle machine 35 ms spinning vs 47 ms PASSIVE; beside two
+    busy processes 96 ms spinning vs 74 ms PASSIVE.
+    """
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return
+    if command == "serve":
+        os.environ["GOMP_SPINCOUNT"] = SERVE_SPIN_COUNT
+    else:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +60,8 @@ class _Lazy:
     short_help: str  # shown by `kvfence --help` without importing the module
 
     def load(self) -> click.Command:
-        quiet_openmp_waits()  # before any command module can load torch (and its libgomp)
         module, _, attr = self.target.partition(":")
+        set_openmp_waits(attr)  # before the command's module can load torch (and its libgomp)
         command = getattr(importlib.import_module(module), attr)
         assert isinstance(command, click.Command)
         return command

@@ -43,6 +43,7 @@ from kvfence.engine.messages import (
 from kvfence.engine.mixed import mixed_step
 from kvfence.engine.prefill import PrefillEngine, PrefillOutput
 from kvfence.engine.routing import Room, Rooms, is_final
+from kvfence.engine.threads import enter_engine_thread
 from kvfence.faults import FaultSet
 from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import KVPool
@@ -92,6 +93,8 @@ class LocalPipeline:
     `submit` and `abort` are thread-safe and never block on the model; events
     reach the sink from the engine thread. `kv_link` makes the transport from
     decode's pool; the engine only defines the seam (serve.transfer fills it).
+    `torch_threads` (0: torch's setting) are the engine thread's intra-op threads; a
+    server builds with one and gives the rest here (engine/threads.py says why).
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class LocalPipeline:
         *,
         kv_link: KVLinkFactory,
         device: str | torch.device = "cpu",
+        torch_threads: int = 0,
     ) -> None:
         if geometry.page_size != config.page_size:
             raise ValueError(
@@ -129,6 +133,7 @@ class LocalPipeline:
         self._idle = True
         self._broken: str | None = None
         self._transfer_failures = 0
+        self._torch_threads = torch_threads  # the engine thread's (engine/threads.py)
 
     # ---- Backend ------------------------------------------------------------------------
 
@@ -209,6 +214,7 @@ class LocalPipeline:
     # ---- the engine thread ------------------------------------------------------------------
 
     def _loop(self) -> None:
+        enter_engine_thread(self._torch_threads)
         while True:
             with self._cond:
                 while not (self._stopping or self._inbox or self._has_work()):

@@ -52,6 +52,7 @@ def build_local(
     lab_profile: str | None = None,
     default_max_tokens: int = default_of(ServeConfig, "default_max_tokens"),
     chunk_size: int | None = None,
+    torch_threads: int = 0,
 ) -> ServerParts:
     """Load the checkpoint and build a (not yet started) pipeline and the server's config."""
     loaded = load_model(model_dir, kind=kind)
@@ -72,7 +73,9 @@ def build_local(
         chunk_size=chunk_size,
     )
     faults = faults or FaultSet()
-    pipeline = LocalPipeline(loaded.model, geometry, engine, faults, kv_link=inprocess_link)
+    pipeline = LocalPipeline(
+        loaded.model, geometry, engine, faults, kv_link=inprocess_link, torch_threads=torch_threads
+    )
     config = ServeConfig(
         model_name=loaded.name,
         context_length=ctx,

@@ -275,14 +275,12 @@ def _serve_local(
 ) -> None:
     """The single-process server: build -> capacity gate (I4) -> listen -> serve until stopped."""
     with collector_paused():  # the imports and the build (serve/startup.py)
+        from kvfence.engine.threads import keep_one_for_engine
         from kvfence.serve.app import create_app
         from kvfence.serve.thread import bind, serve_forever, url_of
 
-        if params["torch_threads"]:
-            import torch
-
-            torch.set_num_threads(params["torch_threads"])
-        parts = _build_local(params, faults, model_dir, sizes)
+        engine_threads = keep_one_for_engine(params["torch_threads"])  # engine/threads.py
+        parts = _build_local(params, faults, model_dir, sizes, engine_threads)
         capacity = _gate(parts)
         app = create_app(
             parts.pipeline,
@@ -309,6 +307,7 @@ def _build_local(
     faults: FaultSet,
     model_dir: Path,
     sizes: tuple[int | None, int | None, int | None, int | None, float],
+    torch_threads: int,
 ) -> ServerParts:
     from kvfence.serve.build import build_local
 
@@ -326,6 +325,7 @@ def _build_local(
             headroom=params["headroom"],
             allow_undersized_pool=params["allow_undersized_pool"],
             default_max_tokens=params["default_max_tokens"],
+            torch_threads=torch_threads,
         )
     except (OSError, ValueError) as e:
         raise click.UsageError(str(e)) from None
