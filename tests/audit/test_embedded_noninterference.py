@@ -4,8 +4,9 @@ The lab's leak reads back the page released last (LIFO reuse): it shows under A'
 load only where A's traffic rewrote that page between two B repeats. A's default
 requests are short (the check's wall time) yet grow a page mid-decode, so the long
 probe must diverge on all but at most one repeat under load on the lab (a FAIL), and
-never on the hardened engine (`NoninterferenceConfig`'s docstring: 40 + 4-token A
-requests missed the leak in 6 of 9 runs).
+never on the hardened engine (`NoninterferenceConfig`'s docstring: A requests that
+never grow a page missed the leak in 7 of 17 runs). It fails with the turnover wait
+switched off (`Load.wait_for_turnover` always true: 7 of 40 under load, a PASS).
 """
 
 from __future__ import annotations
