@@ -5,7 +5,8 @@ weight matrix, so it is bound by reading the weights once. torch's float32
 linear (MKL) reads them at about half the memory bandwidth there; the kernel
 in `csrc/small_linear.cpp` streams each weight row once against up to four
 tokens in registers, with the RMSNorm before it fused into the same call (`bench/engine_step.py --linear` measures both in one run).
-Prefill-sized batches, other dtypes and non-contiguous operands take
+Prefill-sized float32 batches go to oneDNN with packed weights
+(`model.linear_onednn`); other dtypes and non-contiguous operands take
 `F.linear`. Built with the paged decode kernel (`model.paged_cpu`).
 """
 
@@ -16,6 +17,8 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
+from kvfence.model import linear_onednn
+from kvfence.model.linear_onednn import PackedLinears
 from kvfence.model.paged_cpu import library
 
 
@@ -32,13 +35,16 @@ SMALL_TOKENS = 16  # at or below: the kernel (it matched or beat MKL up to 16 ro
 
 
 class CPULinear:
-    """`linear(x, w, b)` = `F.linear(x, w, b)`; the kernel for float32 steps of few tokens.
+    """`linear(x, w, b)` = `F.linear(x, w, b)`; the kernel for float32 steps of few tokens,
+    oneDNN with packed weights for float32 steps of more (`onednn=False`: torch's linear).
 
     `normed` and `glu` fold the RMSNorm before a projection and the SwiGLU before
-    the down projection into the same call; `residual` adds the skip connection.
+    the down projection into the same call; `residual` adds the skip connection;
+    `mlp` is a layer's whole MLP half.
     """
 
-    def __init__(self, kernel: bool = True) -> None:
+    def __init__(self, kernel: bool = True, onednn: bool = True) -> None:
+        self.packed = PackedLinears() if onednn and linear_onednn.available() else None
         lib = library() if kernel else None
         self._fn = None if lib is None else lib.kvf_small_linear
         if self._fn is not None:
@@ -59,6 +65,8 @@ class CPULinear:
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`residual + F.linear(x, w, b)` (no residual: just the linear)."""
+        if self.packed is not None and _large(x, w, b, residual):
+            return self.packed.linear(x, w, b, residual)
         if not self._fits(x, w, b, residual):
             return _plus(residual, F.linear(x, w, b))
         return self._run(x, w, b, residual=residual)
@@ -73,7 +81,7 @@ class CPULinear:
     ) -> torch.Tensor:
         """`linear(rms_norm(x, norm, eps), w, b)`, the norm fused into the kernel's call."""
         if not (self._fits(x, w, b, None) and _f32(norm)):
-            return F.linear(rms_norm(x, norm, eps), w, b)
+            return self(rms_norm(x, norm, eps), w, b)
         return self._run(x, w, b, norm=norm, eps=eps)
 
     def glu(
@@ -88,6 +96,34 @@ class CPULinear:
             gate, up = gate_up.chunk(2, dim=-1)
             return _plus(residual, F.linear(F.silu(gate) * up, w, b))
         return self._run(gate_up, w, b, glu=True, residual=residual)
+
+    def mlp(
+        self,
+        x: torch.Tensor,
+        norm: torch.Tensor,
+        eps: float,
+        gate_up_w: torch.Tensor,
+        gate_up_b: torch.Tensor | None,
+        down_w: torch.Tensor,
+        down_b: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """`x + linear(silu(gate) * up, down_w, down_b)`, gate/up = `normed(x, ..., gate_up_w)`."""
+        if (
+            self.packed is not None
+            and _large(x, gate_up_w, gate_up_b, None)
+            and _f32(down_w)
+            and down_w.shape[0] == x.shape[1]
+            and (down_b is None or _f32(down_b))
+        ):
+            h = rms_norm(x, norm, eps)
+            return self.packed.glu(h, gate_up_w, gate_up_b, down_w, down_b, residual=x)
+        gate_up = self.normed(x, norm, eps, gate_up_w, gate_up_b)
+        return self.glu(gate_up, down_w, down_b, residual=x)
+
+    def forget_packed(self) -> None:
+        """The weights changed (a load): drop oneDNN's packed copies of them."""
+        if self.packed is not None:
+            self.packed.forget()
 
     def _fits(
         self,
@@ -130,6 +166,21 @@ class CPULinear:
             torch.get_num_threads(), _ptr(norm), eps, int(glu), _ptr(residual),
         )  # fmt: skip
         return out
+
+
+def _large(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, residual: torch.Tensor | None
+) -> bool:
+    """A float32 step above `SMALL_TOKENS` rows, every operand contiguous: oneDNN's."""
+    return (
+        x.dim() == 2
+        and x.shape[0] > SMALL_TOKENS
+        and x.shape[1] == w.shape[1]
+        and _f32(x)
+        and _f32(w)
+        and (b is None or _f32(b))
+        and (residual is None or (_f32(residual) and residual.shape == (x.shape[0], w.shape[0])))
+    )
 
 
 def _plus(residual: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:

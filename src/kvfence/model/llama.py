@@ -105,10 +105,10 @@ class DecoderLayer(torch.nn.Module):
                 ]
             )
         x = linear(o, self.o_weight, self.o_bias, residual=x)
-        gate_up = linear.normed(
-            x, self.post_norm, c.rms_norm_eps, self.gate_up_weight, self.gate_up_bias
-        )
-        return linear.glu(gate_up, self.down_weight, self.down_bias, residual=x)
+        return linear.mlp(
+            x, self.post_norm, c.rms_norm_eps,
+            self.gate_up_weight, self.gate_up_bias, self.down_weight, self.down_bias,
+        )  # fmt: skip
 
     def _attend(
         self, model: LlamaModel, part: _Part, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -200,6 +200,7 @@ class LlamaModel(CausalLM):
             assert isinstance(layer, DecoderLayer)
             _load_layer(w, layer, f"model.layers.{i}.", self.config)
         w.check_all_used()
+        self.linear.forget_packed()
 
     # ---- forward ------------------------------------------------------------------------
 
