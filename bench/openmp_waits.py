@@ -1,11 +1,14 @@
-"""How `kvfence serve`'s OpenMP threads wait: brief spin vs PASSIVE vs libgomp's default, same run.
+"""How `kvfence serve`'s OpenMP threads wait: PASSIVE vs brief spin vs libgomp's default, same run.
 
-libgomp reads its wait settings once, when torch loads it, so each setting is a
-server of its own: `kvfence serve --model DIR` (the smollm preset: SmolLM2-135M's
-geometry, f32, all cores) started with
+The decode kernels run on their own threads (model/csrc/spin_pool.h); libgomp's
+wait setting now governs torch's own ops (prefill's matrix products, sampling).
+libgomp reads it once, when torch loads it, so each setting is a server of its
+own: `kvfence serve --model DIR` (the smollm preset: SmolLM2-135M's geometry,
+f32, all cores) started with
 
-  spin10k   GOMP_SPINCOUNT=10000: what a lone `kvfence serve` sets (cli.py)
-  passive   OMP_WAIT_POLICY=PASSIVE: what the commands that co-locate servers set
+  passive   OMP_WAIT_POLICY=PASSIVE: what kvfence sets (cli.py) unless the user chose
+  spin10k   GOMP_SPINCOUNT=10000: about 0.1 ms of spinning
+  spin2k    GOMP_SPINCOUNT=2000
   spin300k  GOMP_SPINCOUNT=300000: libgomp's own default (about 3 ms of spinning)
 
 and, with `--busy N`, N busy-looping processes beside it (the machine shared with
@@ -47,6 +50,7 @@ from kvfence.model.tiny import default_checkpoint_dir  # noqa: E402
 
 SETTINGS = {
     "spin10k": {"GOMP_SPINCOUNT": "10000"},
+    "spin2k": {"GOMP_SPINCOUNT": "2000"},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
     "spin300k": {"GOMP_SPINCOUNT": "300000"},
 }

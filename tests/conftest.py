@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-# The servers tests start share the cores with pytest and with each other: every OpenMP wait
-# sleeps there, as under `kvfence audit` (cli.set_openmp_waits); a lone `kvfence serve` would
-# spin briefly. Set before any server starts, and inherited by each.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -9,7 +9,7 @@ import sys
 import click
 import pytest
 
-from kvfence.cli import _LAZY_COMMANDS, SERVE_SPIN_COUNT
+from kvfence.cli import _LAZY_COMMANDS
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["gate"]])
@@ -58,30 +58,23 @@ def test_the_supervisor_and_router_roles_do_not_import_torch() -> None:
     assert "WEB []" in out, out
 
 
-def test_openmp_waits_spin_briefly_for_a_lone_server_and_sleep_elsewhere(
+def test_commands_load_with_passive_openmp_waits_unless_the_user_chose(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # libgomp reads its wait settings once, when torch loads it: they must be set before any
     # command module is imported, and a setting the user made is theirs.
-    def loaded(command: str) -> tuple[str | None, str | None]:
+    for command in ("serve", "audit", "lab", "watch"):
         monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
         monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
         _LAZY_COMMANDS[command].load()
-        return os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")
-
-    assert loaded("serve") == (None, SERVE_SPIN_COUNT)
-    # Commands that start servers beside the audit client: every wait sleeps, and the
-    # servers they start inherit it (a serve under them keeps it: the user's rule below).
-    for command in ("audit", "lab", "watch"):
-        assert loaded(command) == ("PASSIVE", None), command
+        assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE", command
     for chosen in (("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "5")):
-        for command in ("serve", "audit"):
-            monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-            monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-            monkeypatch.setenv(*chosen)
-            _LAZY_COMMANDS[command].load()
-            assert {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} == {
-                "OMP_WAIT_POLICY": None,
-                "GOMP_SPINCOUNT": None,
-                chosen[0]: chosen[1],
-            }, (command, chosen)
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+        monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+        monkeypatch.setenv(*chosen)
+        _LAZY_COMMANDS["serve"].load()
+        assert {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} == {
+            "OMP_WAIT_POLICY": None,
+            "GOMP_SPINCOUNT": None,
+            chosen[0]: chosen[1],
+        }, chosen

@@ -29,28 +29,18 @@ TINY_KV_BYTES = 64 * 1024 * 1024
 TINY_CONTEXT = 4096
 
 
-# A lone server's OpenMP workers spin this many iterations (about 0.1 ms) before they sleep.
-SERVE_SPIN_COUNT = "10000"
-
-
-def set_openmp_waits(command: str) -> None:
-    """How idle OpenMP threads wait, unless the user chose (OMP_WAIT_POLICY or GOMP_SPINCOUNT).
+def quiet_openmp_waits() -> None:
+    """OMP_WAIT_POLICY=PASSIVE unless the user chose (OMP_WAIT_POLICY or GOMP_SPINCOUNT).
 
     libgomp reads it once, when torch loads it, so it is set before any command module is
-    imported. A lone `kvfence serve` spins briefly: long enough to span the Python between
-    one step's ops, short enough to sleep soon after a step (libgomp's default spins 3 ms).
-    Every other command may run several engines and the audit client on the same cores
-    (the main job, `audit --embedded`, the lab): there spinning threads hold the cores
-    another process needs, so every wait sleeps (PASSIVE), and the servers those commands
-    start inherit it. Measured with bench/openmp_waits.py (2 cores, SmolLM2-135M geometry,
-    a decode step at batch 1): idle machine 35 ms spinning vs 47 ms PASSIVE; beside two
-    busy processes 96 ms spinning vs 74 ms PASSIVE.
+    imported. libgomp's default spins ~3 ms without yielding after every parallel region: on
+    a shared machine those threads hold the cores another process, or the thread they wait
+    for, needs (bench/threads.py, 2 cores, load 5: 1.9x the throughput PASSIVE). The decode
+    kernels do not wait on libgomp at all (model/csrc/spin_pool.h); what is left on it are
+    torch's own ops, prefill's matrix products above all, whose regions are long enough
+    that a sleeping wait costs little (bench/openmp_waits.py).
     """
-    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
-        return
-    if command == "serve":
-        os.environ["GOMP_SPINCOUNT"] = SERVE_SPIN_COUNT
-    else:
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
@@ -60,8 +50,8 @@ class _Lazy:
     short_help: str  # shown by `kvfence --help` without importing the module
 
     def load(self) -> click.Command:
+        quiet_openmp_waits()  # before any command module can load torch (and its libgomp)
         module, _, attr = self.target.partition(":")
-        set_openmp_waits(attr)  # before the command's module can load torch (and its libgomp)
         command = getattr(importlib.import_module(module), attr)
         assert isinstance(command, click.Command)
         return command

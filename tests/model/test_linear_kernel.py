@@ -84,3 +84,46 @@ def test_the_fused_swiglu_and_residual_equal_torch(tokens: int) -> None:
     )
     # The residual is really added (a kernel that dropped it would match the bare linear).
     assert not torch.allclose(linear(x, w, b, residual=residual), F.linear(x, w, b), atol=1e-2)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_kernel_on_its_pool_threads_equals_torch_linear(threads: int) -> None:
+    # The weight rows split into `threads` shares (csrc/spin_pool.h): none lost or doubled,
+    # also when the shares are uneven (70 rows: 17 tiles of four and two remainder rows).
+    torch.manual_seed(threads)
+    x, w, b = torch.randn(5, 96), torch.randn(70, 96), torch.randn(70)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(50):  # many calls: each must see its own work, not the last one's
+            x = x + 0.01
+            assert torch.allclose(linear_cpu.CPULinear()(x, w, b), F.linear(x, w, b), atol=1e-4)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_two_callers_at_once_each_get_their_own_result() -> None:
+    # One caller runs on the pool; a concurrent one runs its work on its own thread.
+    import threading
+
+    torch.manual_seed(7)
+    w = torch.randn(256, 64)
+    xs = [torch.randn(2, 64) for _ in range(4)]
+    wrong: list[int] = []
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+
+    def call(i: int) -> None:
+        for _ in range(200):
+            if not torch.allclose(linear_cpu.CPULinear()(xs[i], w), F.linear(xs[i], w), atol=1e-4):
+                wrong.append(i)
+
+    try:
+        callers = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join()
+    finally:
+        torch.set_num_threads(before)
+    assert wrong == []

@@ -30,8 +30,10 @@ def test_the_kernel_is_built_for_this_source() -> None:
     assert CPUAttention().kernel is not None
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("window", [None, 5])
-def test_kernel_equals_the_gather_path_on_decode_rows(window: int | None) -> None:
+def test_kernel_equals_the_gather_path_on_decode_rows(window: int | None, threads: int) -> None:
+    torch.set_num_threads(threads)  # 3: rows' heads taken one by one on the pool's threads
     torch.manual_seed(0)
     pool = make_pool(CONFIG, 40, page_size=4)
     pool.k.normal_()
@@ -52,7 +54,9 @@ def test_kernel_equals_the_gather_path_on_decode_rows(window: int | None) -> Non
         assert torch.allclose(got, want, atol=1e-5, rtol=0)
 
 
-def test_kernel_refuses_a_table_entry_outside_the_pool() -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_refuses_a_table_entry_outside_the_pool(threads: int) -> None:
+    torch.set_num_threads(threads)
     kernel = paged_cpu.load()
     assert kernel is not None
     k = torch.zeros(4, 2, 1, 8)

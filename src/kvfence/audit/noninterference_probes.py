@@ -25,6 +25,18 @@ class NoninterferenceConfig:
     input limit (where the Workers AI reject path fired), else at the input
     limit but at most ``long_probe_cap`` tokens. A's load: ``load_concurrency``
     threads sending ``load_tokens``-token prompts (``load_max_tokens`` out).
+
+    A's requests are short, since every B repeat under load waits one of them out
+    (`Load`), but each one grows a page while it decodes (60 + 8 tokens at the embedded
+    engines' page of 16: four pages reserved for the prompt, a fifth taken at token 64),
+    so the number of pages A holds keeps moving. With LIFO page reuse, B's last released
+    page stays on top of the free list for as long as A never holds more pages than it
+    did when B released it; A requests whose footprint never changes hand the same pages
+    round and round above it. Measured on the main job's lab (its long probe reads the
+    top page): A requests that never grow a page (40 + 4, 56 + 8) let it read its own
+    earlier answer back on 2 to 5 of 10 repeats under load in 7 of 17 runs (a missed
+    leak); ones that grow one (30 + 4, 60 + 8, 64 + 16, 192 + 16) diverged on 10 of 10
+    in every run (23 runs, load 4-12).
     """
 
     probes: int = 4
@@ -35,8 +47,8 @@ class NoninterferenceConfig:
     long_probe_cap: int = 1024
     logprobs: int = 1
     load_concurrency: int = 3
-    load_tokens: int = 192
-    load_max_tokens: int = 16
+    load_tokens: int = 60
+    load_max_tokens: int = 8
     alpha: float | None = None  # None: the audit's share (AuditContext.alpha_for)
     token_range: tuple[int, int] = (100, 500)
 

@@ -1,14 +1,16 @@
 """Intra-op threads: one OpenMP team per server process, the engine thread's.
 
-libgomp (torch's OpenMP runtime) lets a waiting worker spin about 300,000
-iterations before it sleeps on a futex, but only while it manages no more
+libgomp (torch's OpenMP runtime) lets a waiting worker spin before it sleeps on
+a futex when the user asks for spinning (OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT;
+kvfence's own default is PASSIVE, cli.py), but only while it manages no more
 threads than the machine has CPUs; past that it spins about 1,000 iterations.
 A team, once started, stays for the life of its master thread. So a server
 whose main thread ran one parallel op (loading the model copies the weights
 with torch's default threads) keeps an idle worker that the engine thread's
-own team then tips over the CPU count: every parallel region of every step
-pays a futex sleep and wake. Measured on 2 cores, SmolLM2-135M geometry,
-batch 1: 48 ms a decode step on the engine thread instead of 30 ms.
+own team then tips over the CPU count, and every parallel region of a step
+pays a futex sleep and wake. Measured under libgomp's default waits on 2 cores,
+SmolLM2-135M geometry, batch 1: 48 ms a decode step on the engine thread
+instead of 37 ms.
 
 So the thread that builds the server keeps one intra-op thread (it never
 starts a team) and the engine thread alone runs the role's threads.

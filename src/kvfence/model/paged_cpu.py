@@ -30,16 +30,19 @@ import torch
 
 log = logging.getLogger(__name__)
 
+CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(
-    Path(__file__).parent / "csrc" / n for n in ("paged_decode.cpp", "small_linear.cpp", "rows.cpp")
+    CSRC / n for n in ("paged_decode.cpp", "small_linear.cpp", "spin_pool.cpp", "rows.cpp")
 )
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+HEADERS = (CSRC / "spin_pool.h",)
+# OpenMP only for `omp simd`: the kernels' threads are spin_pool's, not libgomp's.
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-pthread", "-shared", "-fPIC", "-std=c++17")
 
 
 def library_path() -> Path:
     """Where the built library for these sources and these flags lives."""
     root = Path(os.environ.get("KVFENCE_EXT_DIR", Path(sys.prefix) / "share" / "kvfence"))
-    text = b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode()
+    text = b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join(FLAGS).encode()
     digest = hashlib.sha256(text).hexdigest()[:12]
     return root / f"kvfence_paged_{digest}.so"
 

@@ -6,10 +6,13 @@
 // every page table against the ledger (I1, attention.begin_step); this kernel
 // reads only the table entries covering [lo, hi) and refuses (returns 1) any
 // entry outside the pool rather than reading out of bounds.
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
+
+#include "spin_pool.h"
 
 extern "C" int kvf_paged_decode(
     const float* q,          // [R, H, D]
@@ -22,16 +25,16 @@ extern "C" int kvf_paged_decode(
     int64_t R, int64_t H, int64_t KVH, int64_t D, int64_t ps, int64_t W, int64_t P,
     float scale, int threads) {
   const int64_t G = H / KVH;
-  int bad = 0;
-#pragma omp parallel for num_threads(threads) schedule(dynamic) reduction(| : bad)
-  for (int64_t job = 0; job < R * KVH; ++job) {
+  std::atomic<int> bad{0};
+  std::atomic<int64_t> next{0};  // jobs are taken one by one: rows' contexts differ in length
+  auto one = [&](int64_t job) {
     const int64_t r = job / KVH, kh = job % KVH;
     const int64_t a = lo[r], b = hi[r] < W * ps ? hi[r] : W * ps;
     const float* qr = q + (r * H + kh * G) * D;
     float* o = out + (r * H + kh * G) * D;
     for (int64_t i = 0; i < G * D; ++i) o[i] = 0.0f;
     const int64_t n = b - a;
-    if (n <= 0) continue;
+    if (n <= 0) return;
     std::vector<float> s(G * n);
     std::vector<float> mx(G, -std::numeric_limits<float>::infinity());
     std::vector<const float*> rowp(n);
@@ -39,7 +42,7 @@ extern "C" int kvf_paged_decode(
       const int64_t pos = a + j;
       const int64_t page = table[r * W + pos / ps];
       if (page < 0 || page >= P) {
-        bad = 1;
+        bad.store(1);
         rowp[j] = nullptr;
         continue;
       }
@@ -56,7 +59,7 @@ extern "C" int kvf_paged_decode(
         if (acc > mx[g]) mx[g] = acc;
       }
     }
-    if (bad) continue;
+    if (bad.load()) return;  // the call fails; no row reads a null page
     std::vector<float> sum(G, 0.0f);
     for (int64_t g = 0; g < G; ++g) {
       float* sg = s.data() + g * n;
@@ -74,6 +77,9 @@ extern "C" int kvf_paged_decode(
         for (int64_t d = 0; d < D; ++d) og[d] += p * vv[d];
       }
     }
-  }
-  return bad;
+  };
+  kvf::parallel_parts(threads, [&](int, int) {
+    for (int64_t job; (job = next.fetch_add(1)) < R * KVH;) one(job);
+  });
+  return bad.load();
 }

@@ -6,12 +6,14 @@
 // At a handful of tokens a linear layer is bound by reading its weights once.
 // Each thread streams its own block of weight rows, four at a time, against
 // up to four tokens held in registers, so every weight byte is read once per
-// step. Built with paged_decode.cpp into one library (kvfence.model.paged_cpu)
+// step, on the decode kernels' threads (spin_pool.h). Built with paged_decode.cpp into one library (kvfence.model.paged_cpu)
 // and called through kvfence.model.linear_cpu; prefill-sized batches stay on
 // the BLAS path.
 #include <cmath>
 #include <cstdint>
 #include <vector>
+
+#include "spin_pool.h"
 
 namespace {
 
@@ -76,18 +78,21 @@ extern "C" void kvf_small_linear(const float* x, const float* w, const float* bi
     x = normed.data();
   }
   const int64_t blocks = N / 4;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t nb = 0; nb < blocks; ++nb) {
-    const int64_t n0 = nb * 4;
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) tile<4>(x, w, bias, res, out, m, n0, N, K);
-    switch (M - m) {
-      case 3: tile<3>(x, w, bias, res, out, m, n0, N, K); break;
-      case 2: tile<2>(x, w, bias, res, out, m, n0, N, K); break;
-      case 1: tile<1>(x, w, bias, res, out, m, n0, N, K); break;
-      default: break;
+  kvf::parallel_parts(threads, [&](int part, int parts) {
+    int64_t first, last;
+    kvf::share(blocks, part, parts, &first, &last);
+    for (int64_t nb = first; nb < last; ++nb) {
+      const int64_t n0 = nb * 4;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) tile<4>(x, w, bias, res, out, m, n0, N, K);
+      switch (M - m) {
+        case 3: tile<3>(x, w, bias, res, out, m, n0, N, K); break;
+        case 2: tile<2>(x, w, bias, res, out, m, n0, N, K); break;
+        case 1: tile<1>(x, w, bias, res, out, m, n0, N, K); break;
+        default: break;
+      }
     }
-  }
+  });
   for (int64_t n = blocks * 4; n < N; ++n) {  // the last N % 4 weight rows
     for (int64_t m = 0; m < M; ++m) {
       float a = 0.0f;
