@@ -1,4 +1,5 @@
-"""RMSNorm and RoPE as one pass over the rows each (`csrc/rows.cpp`), torch's ops where not fit.
+"""RMSNorm and RoPE as one pass over the rows each (`csrc/rows.cpp`, on the calling thread),
+torch's ops where not fit.
 
 A prefill layer's norms and rotary embedding were a dozen elementwise torch
 ops per layer, each its own pass and its own OpenMP region; these are one
@@ -43,8 +44,8 @@ class RowOps:
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         if self._norm is not None and self._rope is not None:
             self._norm.restype = self._rope.restype = None
-            self._norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
-            self._rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_int]
+            self._norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
+            self._rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
 
     @property
     def has_kernel(self) -> bool:
@@ -57,9 +58,7 @@ class RowOps:
             raise ValueError(f"rms_norm: weight {tuple(weight.shape)} for {x.shape[1]} features")
         out = torch.empty_like(x)
         t, h = x.shape
-        self._norm(
-            x.data_ptr(), weight.data_ptr(), out.data_ptr(), t, h, eps, torch.get_num_threads()
-        )
+        self._norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), t, h, eps)
         return out
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -79,10 +78,7 @@ class RowOps:
             return torch_rope(x, cos, sin)
         assert self._rope is not None
         t, heads, d = x.shape
-        self._rope(
-            x.data_ptr(), t, x.stride(0), heads, d, cos.data_ptr(), sin.data_ptr(),
-            torch.get_num_threads(),
-        )  # fmt: skip
+        self._rope(x.data_ptr(), t, x.stride(0), heads, d, cos.data_ptr(), sin.data_ptr())
         return x
 
 
