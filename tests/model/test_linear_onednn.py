@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
+from kvmodel_helpers import make_pool, new_seq, step
 
 from kvfence.model import linear_cpu, linear_onednn
+from kvfence.model.llama import LlamaModel
+from kvfence.model.loader import load_model
 from kvfence.model.rows_cpu import RowOps, torch_rms_norm, torch_rope
 
 ROWS = linear_cpu.SMALL_TOKENS + 1
@@ -79,3 +84,19 @@ def test_row_kernels_equal_torch_norm_and_rope(tokens: int) -> None:
     assert torch.equal(qkv[:, 64:], v)
     # Position 0 is the identity; any later one really rotates.
     assert tokens == 1 or not torch.allclose(got.reshape(tokens, 64), before, atol=1e-3)
+
+
+def test_the_layers_are_packed_at_load_and_a_prefill_packs_nothing_more(
+    tiny_checkpoint: Path,
+) -> None:
+    # Packed at load: their memory is taken before a server sizes its pool from what is left,
+    # and no request's prefill pays for packing. A view the forward passes that the load did
+    # not pack would add an entry here.
+    loaded = load_model(tiny_checkpoint)
+    model = loaded.model
+    assert isinstance(model, LlamaModel) and model.linear.packed is not None
+    assert len(model.linear.packed) == 5 * model.config.num_layers
+    pool = make_pool(model.config, 64)
+    seq = new_seq(pool, list(range(3, 3 + 40)), 41)  # 40 tokens: prefill-sized, oneDNN's
+    step(model, pool, [(seq, 40)])
+    assert len(model.linear.packed) == 5 * model.config.num_layers

@@ -32,6 +32,9 @@ class PackedLinears:
     def __init__(self) -> None:
         self._packed: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def __len__(self) -> int:
+        return len(self._packed)
+
     def forget(self) -> None:
         """Drop every packed copy (the weights they came from changed)."""
         self._packed.clear()

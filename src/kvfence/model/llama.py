@@ -196,6 +196,25 @@ class LlamaModel(CausalLM):
             _load_layer(w, layer, f"model.layers.{i}.", self.config)
         w.check_all_used()
         self.linear.forget_packed()
+        self._pack_layers()
+
+    def _pack_layers(self) -> None:
+        """oneDNN's packed copies of the layers' float32 weights, made now, at load.
+
+        Their memory is then taken before the server sizes its KV pool from what is left
+        (serve/build.py), and no request's prefill pays for packing. The views are the
+        ones the forward's prefill-sized calls pass (linear_cpu.CPULinear.mlp).
+        """
+        packed = self.linear.packed
+        if packed is None or self.dtype != torch.float32:
+            return
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            ff = layer.down_weight.shape[1]
+            gate_up = layer.gate_up_weight
+            for weight in (layer.qkv_weight, layer.o_weight, gate_up[:ff], gate_up[ff:]):
+                packed.pack(weight)
+            packed.pack(layer.down_weight)
 
     # ---- forward ------------------------------------------------------------------------
 
