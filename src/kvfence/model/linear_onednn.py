@@ -55,9 +55,7 @@ class PackedLinears:
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`residual + F.linear(x, w, b)`, the add fused into the matmul."""
-        if residual is None:
-            return _OPS._linear_pointwise(x, self.pack(w), b, "none", [], "")
-        return _OPS._linear_pointwise.binary(x, residual, self.pack(w), b, "add")
+        return _matmul(x, self.pack(w), b, residual)
 
     def glu(
         self,
@@ -70,11 +68,28 @@ class PackedLinears:
     ) -> torch.Tensor:
         """`residual + F.linear(silu(x W_gate^T) * (x W_up^T), W_down)` for fused gate/up rows."""
         ff = int(down_w.shape[1])
+        gate_w, up_w, packed_down = self.pack_mlp(gate_up_w, down_w)
+        gb, ub = (None, None) if gate_up_b is None else (gate_up_b[:ff], gate_up_b[ff:])
+        gate = _OPS._linear_pointwise(x, gate_w, gb, "swish", [], "")
+        act = _OPS._linear_pointwise.binary(x, gate, up_w, ub, "mul")
+        return _matmul(act, packed_down, down_b, residual)
+
+    def pack_mlp(
+        self, gate_up_w: torch.Tensor, down_w: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The packed gate, up and down weights of a fused [2 * ff, hidden] gate/up weight."""
+        ff = int(down_w.shape[1])
         if gate_up_w.shape[0] != 2 * ff:
             raise ValueError(
                 f"glu: gate/up weight has {gate_up_w.shape[0]} rows, expected 2 * {ff}"
             )
-        gb, ub = (None, None) if gate_up_b is None else (gate_up_b[:ff], gate_up_b[ff:])
-        gate = _OPS._linear_pointwise(x, self.pack(gate_up_w[:ff]), gb, "swish", [], "")
-        act = _OPS._linear_pointwise.binary(x, gate, self.pack(gate_up_w[ff:]), ub, "mul")
-        return self.linear(act, down_w, down_b, residual)
+        return self.pack(gate_up_w[:ff]), self.pack(gate_up_w[ff:]), self.pack(down_w)
+
+
+def _matmul(
+    x: torch.Tensor, packed_w: torch.Tensor, b: torch.Tensor | None, residual: torch.Tensor | None
+) -> torch.Tensor:
+    """`residual + x @ W^T + b` on a packed weight, the add fused into the matmul."""
+    if residual is None:
+        return _OPS._linear_pointwise(x, packed_w, b, "none", [], "")
+    return _OPS._linear_pointwise.binary(x, residual, packed_w, b, "add")

@@ -21,7 +21,6 @@ from kvfence.model.attention import AttentionBackend, AttentionPlan, begin_step,
 from kvfence.model.base import CausalLM, ForwardBatch
 from kvfence.model.config import ModelConfig, RopeScaling
 from kvfence.model.linear_cpu import CPULinear
-from kvfence.model.rows_cpu import RowOps
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -82,7 +81,7 @@ class DecoderLayer(torch.nn.Module):
         linear = model.linear
         qkv = linear.normed(x, self.input_norm, c.rms_norm_eps, self.qkv_weight, self.qkv_bias)
         # q and k are adjacent in the fused projection: rotate them in one go.
-        qk = model.rows.rope(
+        qk = linear.rows.rope(
             qkv[:, : self.q_size + self.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim),
             cos,
             sin,
@@ -149,7 +148,6 @@ class LlamaModel(CausalLM):
         self.dtype = dtype
         self.backend = backend or get_backend("cpu")
         self.linear = linear or CPULinear()
-        self.rows = RowOps()
         self.scale = config.head_dim**-0.5
         self.embed = _param(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
         self.layers = torch.nn.ModuleList(
@@ -202,19 +200,16 @@ class LlamaModel(CausalLM):
         """oneDNN's packed copies of the layers' float32 weights, made now, at load.
 
         Their memory is then taken before the server sizes its KV pool from what is left
-        (serve/build.py), and no request's prefill pays for packing. The views are the
-        ones the forward's prefill-sized calls pass (linear_cpu.CPULinear.mlp).
+        (serve/build.py), and no request's prefill pays for packing.
         """
         packed = self.linear.packed
         if packed is None or self.dtype != torch.float32:
             return
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
-            ff = layer.down_weight.shape[1]
-            gate_up = layer.gate_up_weight
-            for weight in (layer.qkv_weight, layer.o_weight, gate_up[:ff], gate_up[ff:]):
-                packed.pack(weight)
-            packed.pack(layer.down_weight)
+            packed.pack(layer.qkv_weight)
+            packed.pack(layer.o_weight)
+            packed.pack_mlp(layer.gate_up_weight, layer.down_weight)
 
     # ---- forward ------------------------------------------------------------------------
 
