@@ -282,10 +282,13 @@ def test_prefill_killed_mid_transfer_fails_its_request_only(two_prefill: Rig) ->
     a_prompt = "killed mid transfer " * 6
     t, result, pid = hold_next_grant(r, lambda: post(r, "tenant-a", a_prompt, 24))
     survivor = next(w for w in r.workers("prefill") if r.pid(w.name) != pid)
-    (r.hold / "hold").unlink()
+    # Killed while still parked: the hold is lifted only once the held worker is gone, or it
+    # could finish the transfer in the moment between the two (CI saw a full 200 that way).
+    os.kill(pid, signal.SIGKILL)
+    r.stack.supervisor.procs[r.name_of(pid)].wait(30)
+    (r.hold / "hold").unlink()  # the survivor must not park the requests below
     others = [f"meanwhile {i} " * 6 for i in range(3)]
     with ThreadPoolExecutor(3) as pool:
-        os.kill(pid, signal.SIGKILL)
         t.join(60)
         # The router still round-robins onto the dead worker: those requests fail, loudly.
         outs = list(pool.map(lambda p: post(r, "tenant-b", p, 24), others))
