@@ -3,10 +3,12 @@
 Seeded. Builds the smollm-geometry checkpoint (random weights) in a temp dir,
 prefills `--rows` requests of 64-512 random tokens into one pool, then times,
 interleaved, (a) the model's whole decode forward over all rows and (b) the
-attention of all layers alone, once with `CPUAttention()` (the kernel) and once
-with `CPUAttention(kernel=False)` (gather + SDPA, the reference). Prints one
-line per measurement with the minimum and median of `--repeats` and the ratio
-gather / kernel, the 1-minute load average, and the largest logit difference;
+attention of all layers alone, with `CPUAttention()` (the kernel's vector path),
+`CPUAttention(vector=False)` (its scalar path, what shapes without a vector path
+run) and `CPUAttention(kernel=False)` (gather + SDPA, the reference). Prints one
+line per measurement with the minimum and median of `--repeats` and the ratios
+scalar / kernel and gather / kernel, the 1-minute load average, and the largest
+logit difference from the gather path;
 then the I1 prologue (`begin_step`: the write check, the written marks and the
 ledger verify, once per step) as a share of the kernel's decode forward.
 
@@ -66,7 +68,11 @@ def main() -> None:
         model(build_forward_batch(16, [RowSpec(pages, owner, ids, 0)]), pool)
         rows.append(RowSpec(pages, owner, [7], start=n))
     batch = build_forward_batch(16, rows)
-    backends = {"kernel": CPUAttention(), "gather": CPUAttention(kernel=False)}
+    backends = {
+        "kernel": CPUAttention(),
+        "scalar": CPUAttention(vector=False),
+        "gather": CPUAttention(kernel=False),
+    }
     assert backends["kernel"].kernel is not None, (
         "build it: python -m kvfence.model.paged_cpu build"
     )
@@ -88,16 +94,20 @@ def main() -> None:
                 1,
             )
     prologue = timed(lambda: begin_step(pool, batch), args.repeats * 4)
-    diff = float((logits["kernel"] - logits["gather"]).abs().max())
+    diff = max(float((logits[n] - logits["gather"]).abs().max()) for n in ("kernel", "scalar"))
     load = os.getloadavg()[0]
     context = int(batch.pages.lengths.sum())
     for label, data in (("decode_forward", fwd), ("attention_all_layers", att)):
-        k, gth = min(data["kernel"]) * 1e3, min(data["gather"]) * 1e3
+        best = {n: min(v) * 1e3 for n, v in data.items()}
+        times = " ".join(
+            f"{n}_ms=min {best[n]:.1f} med {statistics.median(v) * 1e3:.1f}"
+            for n, v in data.items()
+        )
         print(
             f"{label} preset={args.preset} rows={args.rows} context_tokens={context} "
-            f"threads={args.threads} kernel_ms=min {k:.1f} med {statistics.median(data['kernel']) * 1e3:.1f} "
-            f"gather_ms=min {gth:.1f} med {statistics.median(data['gather']) * 1e3:.1f} "
-            f"gather/kernel={gth / k:.2f} max_logit_diff={diff:.1e} load1={load:.1f}"
+            f"threads={args.threads} {times} scalar/kernel={best['scalar'] / best['kernel']:.2f} "
+            f"gather/kernel={best['gather'] / best['kernel']:.2f} max_logit_diff={diff:.1e} "
+            f"load1={load:.1f}"
         )
     i1_us = statistics.median(prologue) * 1e6
     fwd_us = statistics.median(fwd["kernel"]) * 1e6

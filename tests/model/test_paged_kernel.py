@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kvmodel_helpers import make_pool
@@ -30,38 +32,67 @@ def test_the_kernel_is_built_for_this_source() -> None:
     assert CPUAttention().kernel is not None
 
 
+def _config(head_dim: int, heads: int, kv_heads: int) -> ModelConfig:
+    return dataclasses.replace(
+        CONFIG, hidden_size=heads * head_dim, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim,
+    )  # fmt: skip
+
+
+# (head dim, heads, KV heads): the vector path's dims and groups (SmolLM2's 64 x 9/3 among
+# them), and shapes it does not take (head dim 24; a group of 16), which run the scalar path.
+SHAPES = [(16, 6, 2), (32, 8, 2), (64, 9, 3), (128, 4, 4), (64, 8, 1), (24, 4, 2), (16, 16, 1)]
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("window", [None, 5])
-def test_kernel_equals_the_gather_path_on_decode_rows(window: int | None, threads: int) -> None:
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "d{}h{}kv{}".format(*s))
+def test_kernel_equals_the_gather_path_on_decode_rows(
+    window: int | None, threads: int, shape: tuple[int, int, int]
+) -> None:
     torch.set_num_threads(threads)  # 3: rows' heads taken one by one on the pool's threads
     torch.manual_seed(0)
-    pool = make_pool(CONFIG, 40, page_size=4)
+    config = _config(*shape)
+    pool = make_pool(config, 60, page_size=4)
     pool.k.normal_()
     pool.v.normal_()
     rows = []
-    for i, length in enumerate([1, 3, 4, 9, 30]):
+    # Lengths: within one page, page edges, and a window that starts mid-page.
+    for i, length in enumerate([1, 3, 4, 9, 30, 61]):
         owner = pool.register_owner(f"r{i}")
         pages = pool.allocate(owner, pool.geometry.pages_for(length))
         rows.append(RowSpec(pages, owner, [1], start=length - 1))
     batch = build_forward_batch(4, rows)
-    q = torch.randn(len(rows), CONFIG.num_heads, CONFIG.head_dim)
+    q = torch.randn(len(rows), config.num_heads, config.head_dim) * 2  # peaked softmax too
     kernel, reference = CPUAttention(), CPUAttention(kernel=False)
     assert kernel.kernel is not None and reference.kernel is None
     plan = reference.plan(pool, batch)
-    for layer in range(CONFIG.num_layers):
+    lo, hi = plan.decode_bounds(window)
+    for layer in range(config.num_layers):
         got = kernel.attend(pool, layer, q, plan, scale=0.25, window=window)
         want = reference.attend(pool, layer, q, plan, scale=0.25, window=window)
         assert torch.allclose(got, want, atol=1e-5, rtol=0)
+        scalar = kernel.kernel.attend(
+            q.view(len(rows), config.num_heads, config.head_dim), pool.k[layer], pool.v[layer],
+            batch.pages.pages, lo, hi, 0.25, vector=False,
+        )  # fmt: skip
+        assert torch.allclose(scalar.reshape(got.shape), want, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("vector", [True, False])
+@pytest.mark.parametrize("head_dim", [8, 64])  # 64 takes the vector path unless told not to
 @pytest.mark.parametrize("threads", [1, 2])
-def test_kernel_refuses_a_table_entry_outside_the_pool(threads: int) -> None:
+def test_kernel_refuses_a_table_entry_outside_the_pool(
+    threads: int, head_dim: int, vector: bool
+) -> None:
     torch.set_num_threads(threads)
     kernel = paged_cpu.load()
     assert kernel is not None
-    k = torch.zeros(4, 2, 1, 8)
-    table = torch.tensor([[0, 4]], dtype=torch.int64)  # page 4 of a 4-page pool
-    with pytest.raises(ValueError, match="outside the pool"):
-        kernel.attend(
-            torch.zeros(1, 2, 8), k, k.clone(), table, torch.tensor([0]), torch.tensor([4]), 1.0
-        )
+    k = torch.zeros(4, 2, 1, head_dim)
+    for bad in (4, -1):  # past the last page of a 4-page pool; negative
+        table = torch.tensor([[0, bad]], dtype=torch.int64)
+        with pytest.raises(ValueError, match="outside the pool"):
+            kernel.attend(
+                torch.zeros(1, 2, head_dim), k, k.clone(), table,
+                torch.tensor([0]), torch.tensor([4]), 1.0, vector=vector,
+            )  # fmt: skip

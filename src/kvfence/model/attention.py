@@ -213,11 +213,13 @@ class CPUAttention(AttentionBackend):
     """Decode rows: the paged kernel in place (or one batched SDPA over gathered pages when the
     kernel is not built or the dtype is not float32); prefill rows: SDPA over gathered pages.
 
-    `kernel=False` forces the gather path (the reference the kernel is tested against).
+    `kernel=False` forces the gather path (the reference the kernel is tested against);
+    `vector=False` the kernel's scalar path (what it runs for shapes without a vector one).
     """
 
-    def __init__(self, kernel: bool = True) -> None:
+    def __init__(self, kernel: bool = True, vector: bool = True) -> None:
         self.kernel: PagedDecodeKernel | None = load_kernel() if kernel else None
+        self.vector = vector
 
     def write(
         self, pool: KVPool, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -313,7 +315,9 @@ class CPUAttention(AttentionBackend):
         ):
             table = plan.batch.pages.pages if rows is None else plan.batch.pages.pages[rows]
             lo, hi = plan.decode_bounds(window)
-            return self.kernel.attend(q, pool.k[layer], pool.v[layer], table, lo, hi, scale)
+            return self.kernel.attend(
+                q, pool.k[layer], pool.v[layer], table, lo, hi, scale, vector=self.vector
+            )
         k, v = gather(pool, layer, plan.batch.pages, rows, plan.decode_pages)
         k = _as(k, q.dtype).permute(0, 2, 1, 3)  # [R, kvh, L, hd]
         v = _as(v, q.dtype).permute(0, 2, 1, 3)

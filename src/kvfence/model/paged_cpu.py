@@ -68,7 +68,8 @@ class PagedDecodeKernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.kvf_paged_decode
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
+        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7
+        fn.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_int]
         self._fn = fn
 
     def attend(
@@ -80,8 +81,12 @@ class PagedDecodeKernel:
         lo: torch.Tensor,
         hi: torch.Tensor,
         scale: float,
+        vector: bool = True,
     ) -> torch.Tensor:
-        """q [R, H, D] f32; k, v [P, ps, KVH, D] f32 (one layer); table [R, W]; lo, hi [R] int64."""
+        """q [R, H, D] f32; k, v [P, ps, KVH, D] f32 (one layer); table [R, W]; lo, hi [R] int64.
+
+        `vector=False` forces the scalar path the vector one is tested against.
+        """
         if not (k.is_contiguous() and v.is_contiguous()):
             raise ValueError("paged kernel: the pool's K/V must be contiguous")
         if not (table.dtype == lo.dtype == hi.dtype == torch.int64):
@@ -93,7 +98,7 @@ class PagedDecodeKernel:
         bad = self._fn(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), lo.data_ptr(),
             hi.data_ptr(), out.data_ptr(), r, h, kvh, d, ps, int(table.shape[1]), p,
-            scale, torch.get_num_threads(),
+            scale, torch.get_num_threads(), int(vector),
         )  # fmt: skip
         if bad:
             raise ValueError("paged kernel: a page table names a page outside the pool")
