@@ -32,7 +32,7 @@ stack against the single-process engine, same run).
 
 Usage: python bench/serve_throughput.py [--preset smollm|tiny] [--requests N]
            [--engines kvfence,kvfence-pd,kvfence-pd-mooncake,vllm,llamacpp] [--quick]
-           [--profile-kvfence OUT.txt]
+           [--profile-kvfence OUT.txt] [--kvfence-arg=--max-batch-tokens=N ...]
 """
 
 from __future__ import annotations
@@ -401,16 +401,18 @@ def pd_stack(transport: str, model_dir: Path, log_dir: Path) -> Iterator[Serving
 
 
 @contextmanager
-def engine_server(engine: str, model_dir: Path, log_dir: Path) -> Iterator[Serving]:
+def engine_server(
+    engine: str, model_dir: Path, log_dir: Path, kvfence_args: tuple[str, ...] = ()
+) -> Iterator[Serving]:
     if engine in PD_TRANSPORTS:
         log_dir.mkdir(parents=True, exist_ok=True)
         with pd_stack(PD_TRANSPORTS[engine], model_dir, log_dir) as serving:
             yield serving
         return
     if engine == "kvfence":
-        server = start_kvfence(model_dir, log_dir)
+        server = start_kvfence(model_dir, log_dir, *kvfence_args)
     elif engine == "kvfence-noledger":
-        server = start_kvfence(model_dir, log_dir, "--lab-fault", "no-ledger-check")
+        server = start_kvfence(model_dir, log_dir, "--lab-fault", "no-ledger-check", *kvfence_args)
     elif engine == "vllm":
         server = start_vllm(
             model_dir,
@@ -466,7 +468,15 @@ def main() -> None:
         action="store_true",
         help="do not ask for logprobs=1 (then TTFT is wrong where no token has text)",
     )
+    ap.add_argument(
+        "--kvfence-arg",
+        action="append",
+        default=[],
+        help="an extra `kvfence serve` argument for kvfence and kvfence-noledger (repeatable), "
+        "e.g. --kvfence-arg=--max-batch-tokens=1024",
+    )
     args = ap.parse_args()
+    kvfence_args = tuple(args.kvfence_arg)
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = set(engines) - set(ENGINES)
@@ -496,7 +506,7 @@ def main() -> None:
             continue
         profile = args.profile_kvfence if engine == "kvfence" else None
         t0 = time.perf_counter()
-        with engine_server(engine, model_dir, cache.run_dir / "logs") as server:
+        with engine_server(engine, model_dir, cache.run_dir / "logs", kvfence_args) as server:
             log(f"{engine}: ready in {server.ready_s:.1f} s ({' '.join(server.cmd[:3])} ...)")
             results = measure(engine, server, work, id_limit, log, profile)
         by_engine[engine] = {r.concurrency: r for r in results}

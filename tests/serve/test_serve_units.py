@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kvfence.engine.config import EngineConfig
 from kvfence.engine.messages import TokenChunk
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve.errors import ApiError
@@ -159,3 +160,34 @@ def test_room_ids_are_unique_and_a_collision_is_detected(
         router.new_room("default")
     assert e.value.status == 500 and e.value.code == "room_collision"
     assert router.counters.room_collisions == ROOM_ATTEMPTS
+
+
+def test_the_step_budget_reaches_every_engine_a_serve_command_builds(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """`--max-batch-tokens`: the single-process engine, the hub's workers, SGLang's workers."""
+    import click
+
+    from kvfence.faults import FaultSet
+    from kvfence.model.tiny import make_tiny_checkpoint
+    from kvfence.serve.build import PoolSizes, build_local
+    from kvfence.serve.cli import serve
+    from kvfence.serve.pd.cli import worker_spec
+    from kvfence.serve.pd.workers import engine_config
+    from kvfence.serve.sglang.cli import worker_args
+
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("budget") / "t")
+    params = serve.make_context("serve", ["--max-batch-tokens", "64"]).params
+    assert params["max_batch_tokens"] == 64
+    default = serve.make_context("serve", []).params["max_batch_tokens"]
+    assert default == EngineConfig(prefill_pages=1, decode_pages=1).max_batch_tokens
+    with pytest.raises(click.BadParameter, match="x>=1") as bad:
+        serve.make_context("serve", ["--max-batch-tokens", "0"])
+    assert bad.value.param is not None and bad.value.param.name == "max_batch_tokens"
+
+    parts = build_local(ckpt, kind="mirror", pools=PoolSizes(64, 64), max_batch_tokens=64)
+    assert parts.pipeline.config.max_batch_tokens == 64
+    spec = worker_spec(params | {"kv_pages": "64"}, FaultSet(), ckpt, "prefill", "-", "-")
+    assert engine_config(spec, parts.loaded).max_batch_tokens == 64
+    args = worker_args(params, FaultSet(), ckpt)
+    assert args[args.index("--max-batch-tokens") + 1] == "64"

@@ -114,6 +114,14 @@ def parse_per_role(value: str | None, option: str) -> tuple[int | None, int | No
     show_default=True,
 )
 @click.option(
+    "--max-batch-tokens",
+    type=click.IntRange(1),
+    default=default_of(EngineConfig, "max_batch_tokens"),
+    show_default=True,
+    help="the step budget: new tokens one engine step computes (decode's first, then prompt "
+    "chunks); smaller answers first tokens sooner, larger packs prefill tighter",
+)
+@click.option(
     "--scrub",
     type=click.Choice([p.value for p in ScrubPolicy]),
     default=ScrubPolicy.NONE.value,
@@ -221,6 +229,7 @@ def serve(
     kv_bytes: str | None,
     kv_memory_fraction: float,
     page_size: int,
+    max_batch_tokens: int,
     scrub: str,
     no_prefix_cache: bool,
     shared_prefix_cache: bool,
@@ -318,6 +327,7 @@ def _build_local(
             context_length=params["context_length"],
             pools=PoolSizes(*sizes),
             page_size=params["page_size"],
+            max_batch_tokens=params["max_batch_tokens"],
             scrub=ScrubPolicy(params["scrub"]),
             faults=faults,
             prefix_cache=not params["no_prefix_cache"],

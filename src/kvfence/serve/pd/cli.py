@@ -178,6 +178,7 @@ def worker_spec(
         kv_bytes=_per_role(params["kv_bytes"], role),
         kv_memory_fraction=params["kv_memory_fraction"],
         page_size=params["page_size"],
+        max_batch_tokens=params["max_batch_tokens"],
         context_length=params["context_length"],
         scrub=params["scrub"],
         prefix_cache=not params["no_prefix_cache"],

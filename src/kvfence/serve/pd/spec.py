@@ -45,6 +45,7 @@ class WorkerSpec:
     kv_bytes: int | None = None  # a byte budget (whole pages, rounded down); default: from memory
     kv_memory_fraction: float = DEFAULT_KV_FRACTION
     page_size: int = default_of(EngineConfig, "page_size")
+    max_batch_tokens: int = default_of(EngineConfig, "max_batch_tokens")  # the step budget
     context_length: int | None = None
     scrub: str = ScrubPolicy.NONE.value
     prefix_cache: bool = True

@@ -79,6 +79,7 @@ def engine_config(spec: WorkerSpec, loaded: LoadedModel) -> EngineConfig:
         prefill_pages=pages if spec.role == "prefill" else 1,
         decode_pages=pages if spec.role == "decode" else 1,
         page_size=spec.page_size,
+        max_batch_tokens=spec.max_batch_tokens,
         context_length=ctx,
         scrub=ScrubPolicy(spec.scrub),
         prefix_cache=spec.prefix_cache,

@@ -41,6 +41,7 @@ _SHARED = (
     "kv_bytes",
     "kv_memory_fraction",
     "page_size",
+    "max_batch_tokens",
     "scrub",
     "transport",
     "log_level",
