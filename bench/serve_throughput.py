@@ -27,12 +27,14 @@ vLLM send no event for a token without text, so without logprobs the first event
 come at the end of the stream (`--no-logprobs` turns it off). Throughput is all output tokens of a level over its wall
 time. The 1-minute load average is printed next to every figure (the machine is shared).
 Prints one line per engine and level, then one result line per level with the ratios
-kvfence/vLLM and kvfence/llama.cpp (the goal is >= 1.0) and pd/kvfence (the disaggregated
-stack against the single-process engine, same run).
+kvfence/vLLM and kvfence/llama.cpp (the goal is >= 1.0), pd/kvfence (the disaggregated
+stack against the single-process engine, same run) and each engine's TTFT p50. With
+`--repeats N` every engine runs N times, in passes one after another, and the result
+lines give the medians (a single run on this shared machine varies by +-20%).
 
 Usage: python bench/serve_throughput.py [--preset smollm|tiny] [--requests N]
            [--engines kvfence,kvfence-pd,kvfence-pd-mooncake,vllm,llamacpp] [--quick]
-           [--profile-kvfence OUT.txt] [--kvfence-arg=--max-batch-tokens=N ...]
+           [--profile-kvfence OUT.txt] [--repeats N] [--kvfence-arg=--max-batch-tokens=N ...]
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -469,6 +472,12 @@ def main() -> None:
         help="do not ask for logprobs=1 (then TTFT is wrong where no token has text)",
     )
     ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="passes over every engine, one after another; the result lines give medians",
+    )
+    ap.add_argument(
         "--kvfence-arg",
         action="append",
         default=[],
@@ -499,21 +508,30 @@ def main() -> None:
         f"levels={work.levels} seed={work.seed} logprobs={work.logprobs} cores={os.cpu_count()} "
         f"load1={os.getloadavg()[0]:.1f}"
     )
-    by_engine: dict[str, dict[int, LevelResult]] = {}
-    for engine in engines:
-        if not installed(engine, cache):
-            log(f"{engine}: SKIPPED, not installed in {cache.root} (run bench/peers/install.sh)")
-            continue
-        profile = args.profile_kvfence if engine == "kvfence" else None
-        t0 = time.perf_counter()
-        with engine_server(engine, model_dir, cache.run_dir / "logs", kvfence_args) as server:
-            log(f"{engine}: ready in {server.ready_s:.1f} s ({' '.join(server.cmd[:3])} ...)")
-            results = measure(engine, server, work, id_limit, log, profile)
-        by_engine[engine] = {r.concurrency: r for r in results}
-        log(f"{engine}: done in {time.perf_counter() - t0:.0f} s")
+    runs: dict[str, dict[int, list[LevelResult]]] = {}
+    for rep in range(args.repeats):
+        # Passes one after another, every engine once per pass: a slow spell of the shared
+        # machine then lands on one pass of every engine, not on all passes of one.
+        for engine in engines:
+            if not installed(engine, cache):
+                if rep == 0:
+                    log(
+                        f"{engine}: SKIPPED, not installed in {cache.root} (bench/peers/install.sh)"
+                    )
+                continue
+            profile = args.profile_kvfence if engine == "kvfence" and rep == 0 else None
+            t0 = time.perf_counter()
+            with engine_server(engine, model_dir, cache.run_dir / "logs", kvfence_args) as server:
+                log(f"{engine}: ready in {server.ready_s:.1f} s ({' '.join(server.cmd[:3])} ...)")
+                results = measure(engine, server, work, id_limit, log, profile)
+            for r in results:
+                runs.setdefault(engine, {}).setdefault(r.concurrency, []).append(r)
+            log(f"{engine}: pass {rep + 1}/{args.repeats} done in {time.perf_counter() - t0:.0f} s")
 
     for conc in work.levels:
-        figures = {e: r[conc].tok_s for e, r in by_engine.items()}
+        per = {e: r[conc] for e, r in runs.items()}
+        figures = {e: statistics.median(x.tok_s for x in rs) for e, rs in per.items()}
+        ttft = {e: statistics.median(x.ttft_p50_ms for x in rs) for e, rs in per.items()}
         kv = figures.get("kvfence")
         parts = [f"{e}={v:.1f}" for e, v in figures.items()]
         if kv is not None:
@@ -523,9 +541,11 @@ def main() -> None:
             for pd in PD_TRANSPORTS:
                 if pd in figures:
                     parts.append(f"{pd}/kvfence={ratio(figures[pd], kv)}")
-        loads = "/".join(f"{r[conc].load_before:.1f}" for r in by_engine.values())
+        parts.append("ttft_p50_ms: " + " ".join(f"{e}={v:.0f}" for e, v in ttft.items()))
+        loads = "/".join(f"{x.load_before:.1f}" for rs in per.values() for x in rs)
+        median = f"median of {args.repeats} " if args.repeats > 1 else ""
         log(
-            f"serve_throughput preset={args.preset} conc={conc} out_tok_s: "
+            f"serve_throughput preset={args.preset} conc={conc} {median}out_tok_s: "
             + " ".join(parts)
             + f" (load1 {loads})"
         )
