@@ -24,6 +24,7 @@ from kvfence.model.config import MODEL_KINDS
 from kvfence.model.tiny import PRESETS, default_checkpoint_dir
 from kvfence.serve.config import Capacity, ServeConfig
 from kvfence.serve.pd.spec import CROSS_PROCESS, WorkerSpec, is_loopback
+from kvfence.serve.per_role import parse_per_role
 from kvfence.serve.pool_sizing import DEFAULT_KV_FRACTION, PoolSizes, gate_fix_hint
 from kvfence.serve.startup import collector_paused, quiet_torch_import
 from kvfence.serve.tenants import TenantFileError, TenantRegistry
@@ -36,27 +37,6 @@ if TYPE_CHECKING:
 # shared machine every torch import they skip is start-up time for the workers.
 
 EXIT_GATE = 1
-
-
-def parse_per_role(value: str | None, option: str) -> tuple[int | None, int | None]:
-    """`N` (both roles) or `prefill=N,decode=M` -> (prefill, decode)."""
-    if value is None:
-        return None, None
-    try:
-        if "=" not in value:
-            n = int(value)
-            return n, n
-        parts = dict(p.split("=", 1) for p in value.split(","))
-        if not set(parts) <= {"prefill", "decode"}:
-            raise ValueError
-        return (
-            int(parts["prefill"]) if "prefill" in parts else None,
-            int(parts["decode"]) if "decode" in parts else None,
-        )
-    except ValueError:
-        raise click.BadParameter(
-            f"{value!r}: give N (both roles) or prefill=N,decode=M", param_hint=option
-        ) from None
 
 
 @click.command()

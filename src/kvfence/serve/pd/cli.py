@@ -21,13 +21,12 @@ import click
 from kvfence.faults import FaultSet
 from kvfence.serve.pd.launch import Loopback, run_disaggregated
 from kvfence.serve.pd.spec import RouterSpec, WorkerSpec
+from kvfence.serve.per_role import parse_per_role
 from kvfence.serve.startup import collector_paused
 from kvfence.serve.tenants import TenantRegistry
 
 
 def _per_role(value: str | None, role: str) -> int | None:
-    from kvfence.serve.cli import parse_per_role  # late: serve.cli imports this module
-
     prefill, decode = parse_per_role(value, f"--kv-* ({role})")
     return prefill if role == "prefill" else decode
 
