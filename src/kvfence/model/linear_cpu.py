@@ -21,6 +21,7 @@ from kvfence.model import linear_onednn
 from kvfence.model.linear_onednn import PackedLinears
 from kvfence.model.paged_cpu import library
 from kvfence.model.rows_cpu import RowOps
+from kvfence.model.rows_cpu import f32_contiguous as _f32
 
 SMALL_TOKENS = 16  # at or below: the kernel (it matched or beat MKL up to 16 rows here)
 
@@ -127,15 +128,7 @@ class CPULinear:
         residual: torch.Tensor | None,
     ) -> bool:
         return (
-            self._fn is not None
-            and x.dim() == 2
-            and x.shape[0] <= SMALL_TOKENS
-            and _f32(x)
-            and _f32(w)
-            and (b is None or _f32(b))
-            and (
-                residual is None or (_f32(residual) and residual.shape == (x.shape[0], w.shape[0]))
-            )
+            self._fn is not None and _f32_operands(x, w, b, residual) and x.shape[0] <= SMALL_TOKENS
         )
 
     def _run(
@@ -167,9 +160,16 @@ def _large(
 ) -> bool:
     """A float32 step above `SMALL_TOKENS` rows, every operand contiguous: oneDNN's."""
     return (
+        _f32_operands(x, w, b, residual) and x.shape[0] > SMALL_TOKENS and x.shape[1] == w.shape[1]
+    )
+
+
+def _f32_operands(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, residual: torch.Tensor | None
+) -> bool:
+    """x [T, K], w, b and a [T, N] residual: float32 and contiguous, the kernels' operands."""
+    return (
         x.dim() == 2
-        and x.shape[0] > SMALL_TOKENS
-        and x.shape[1] == w.shape[1]
         and _f32(x)
         and _f32(w)
         and (b is None or _f32(b))
@@ -179,10 +179,6 @@ def _large(
 
 def _plus(residual: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
     return y if residual is None else residual + y
-
-
-def _f32(t: torch.Tensor) -> bool:
-    return t.dtype == torch.float32 and t.is_contiguous()
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

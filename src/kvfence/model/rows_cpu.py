@@ -52,7 +52,9 @@ class RowOps:
         return self._norm is not None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if self._norm is None or not (x.dim() == 2 and _f32(x) and _f32(weight)):
+        if self._norm is None or not (
+            x.dim() == 2 and f32_contiguous(x) and f32_contiguous(weight)
+        ):
             return torch_rms_norm(x, weight, eps)
         if weight.shape != (x.shape[1],):
             raise ValueError(f"rms_norm: weight {tuple(weight.shape)} for {x.shape[1]} features")
@@ -82,5 +84,6 @@ class RowOps:
         return x
 
 
-def _f32(t: torch.Tensor) -> bool:
+def f32_contiguous(t: torch.Tensor) -> bool:
+    """What the C++ kernels read: float32, contiguous."""
     return t.dtype == torch.float32 and t.is_contiguous()
