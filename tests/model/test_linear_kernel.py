@@ -15,21 +15,30 @@ def test_the_linear_kernel_is_built_for_this_source() -> None:
     assert not linear_cpu.CPULinear(kernel=False).has_kernel
 
 
+# The kernel's two paths (csrc/small_linear.cpp): features a multiple of 16 with at most
+# 2,560 floats of tokens (tokens x features) stream one weight row at a time; the rest take
+# the four-row tile. 48: streamed, with a last half-step of 16 features; 100: the tile;
+# 640: streamed up to 4 tokens, the tile from 5.
+FEATURES = [48, 100, 640]
+
+
+@pytest.mark.parametrize("features", FEATURES)
 @pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 7, 16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernel_equals_torch_linear(tokens: int, bias: bool) -> None:
+def test_kernel_equals_torch_linear(features: int, tokens: int, bias: bool) -> None:
     torch.manual_seed(tokens)
-    x = torch.randn(tokens, 96)
-    w = torch.randn(70, 96)  # 70 rows: 17 tiles of four and a remainder of two
+    x = torch.randn(tokens, features)
+    w = torch.randn(70, features)  # 70 rows: 17 tiles of four and a remainder of two
     b = torch.randn(70) if bias else None
     got = linear_cpu.CPULinear()(x, w, b)
     assert got.shape == (tokens, 70)
     assert torch.allclose(got, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
 
 
-def test_kernel_result_depends_on_every_weight_row() -> None:
-    # A kernel that skipped the remainder rows or a tile would leave them stale or zero.
-    x, w = torch.randn(3, 32), torch.randn(9, 32)
+@pytest.mark.parametrize("features", [30, 32])
+def test_kernel_result_depends_on_every_weight_row(features: int) -> None:
+    # A kernel that skipped the remainder rows or a tile or a row would leave them stale or zero.
+    x, w = torch.randn(3, features), torch.randn(9, features)
     linear = linear_cpu.CPULinear()
     base = linear(x, w)
     for n in range(9):
@@ -58,28 +67,30 @@ def test_a_feature_mismatch_is_refused() -> None:
         linear_cpu.CPULinear()(torch.randn(2, 8), torch.randn(4, 6))
 
 
+@pytest.mark.parametrize("features", FEATURES)
 @pytest.mark.parametrize("tokens", [1, 4, 6, 16, 17])
-def test_the_fused_norm_equals_rms_norm_then_linear(tokens: int) -> None:
+def test_the_fused_norm_equals_rms_norm_then_linear(features: int, tokens: int) -> None:
     torch.manual_seed(tokens)
-    x, norm = torch.randn(tokens, 96) * 3, torch.rand(96) + 0.5
-    w, b = torch.randn(70, 96), torch.randn(70)
-    want = F.linear(F.rms_norm(x, (96,), norm, 1e-5), w, b)
+    x, norm = torch.randn(tokens, features) * 3, torch.rand(features) + 0.5
+    w, b = torch.randn(70, features), torch.randn(70)
+    want = F.linear(F.rms_norm(x, (features,), norm, 1e-5), w, b)
     got = linear_cpu.CPULinear().normed(x, norm, 1e-5, w, b)
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-5)
     # The norm is really applied: without it the result is far off.
     assert not torch.allclose(linear_cpu.CPULinear()(x, w, b), want, atol=1e-2)
 
 
+@pytest.mark.parametrize("features", FEATURES)
 @pytest.mark.parametrize("tokens", [1, 5, 16, 17])
-def test_the_fused_swiglu_and_residual_equal_torch(tokens: int) -> None:
+def test_the_fused_swiglu_and_residual_equal_torch(features: int, tokens: int) -> None:
     torch.manual_seed(tokens)
-    gate_up, w, b = torch.randn(tokens, 2 * 48), torch.randn(70, 48), torch.randn(70)
-    residual = torch.randn(tokens, 70)
+    gate_up, w = torch.randn(tokens, 2 * features), torch.randn(70, features)
+    b, residual = torch.randn(70), torch.randn(tokens, 70)
     gate, up = gate_up.chunk(2, dim=-1)
     want = residual + F.linear(F.silu(gate) * up, w, b)
     linear = linear_cpu.CPULinear()
     assert torch.allclose(linear.glu(gate_up, w, b, residual=residual), want, atol=1e-4)
-    x = torch.randn(tokens, 48)
+    x = torch.randn(tokens, features)
     assert torch.allclose(
         linear(x, w, b, residual=residual), residual + F.linear(x, w, b), atol=1e-4
     )
@@ -87,12 +98,14 @@ def test_the_fused_swiglu_and_residual_equal_torch(tokens: int) -> None:
     assert not torch.allclose(linear(x, w, b, residual=residual), F.linear(x, w, b), atol=1e-2)
 
 
+@pytest.mark.parametrize("features", [96, 100])
 @pytest.mark.parametrize("threads", [2, 3])
-def test_the_kernel_on_its_pool_threads_equals_torch_linear(threads: int) -> None:
+def test_the_kernel_on_its_pool_threads_equals_torch_linear(threads: int, features: int) -> None:
     # The weight rows split into `threads` shares (csrc/spin_pool.h): none lost or doubled,
-    # also when the shares are uneven (70 rows: 17 tiles of four and two remainder rows).
+    # also when the shares are uneven (70 rows: 17 tiles of four and two remainder rows),
+    # on both paths (96 features: streamed rows; 100: the tile).
     torch.manual_seed(threads)
-    x, w, b = torch.randn(5, 96), torch.randn(70, 96), torch.randn(70)
+    x, w, b = torch.randn(5, features), torch.randn(70, features), torch.randn(70)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

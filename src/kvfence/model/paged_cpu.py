@@ -34,7 +34,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(
     CSRC / n for n in ("paged_decode.cpp", "small_linear.cpp", "spin_pool.cpp", "rows.cpp")
 )
-HEADERS = (CSRC / "spin_pool.h",)
+HEADERS = (CSRC / "spin_pool.h", CSRC / "vec.h")
 # OpenMP only for `omp simd`: the kernels' threads are spin_pool's, not libgomp's.
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-pthread", "-shared", "-fPIC", "-std=c++17")
 
