@@ -15,10 +15,9 @@ def test_the_linear_kernel_is_built_for_this_source() -> None:
     assert not linear_cpu.CPULinear(kernel=False).has_kernel
 
 
-# The kernel's two paths (csrc/small_linear.cpp): features a multiple of 16 with at most
-# 2,560 floats of tokens (tokens x features) stream one weight row at a time; the rest take
-# the four-row tile. 48: streamed, with a last half-step of 16 features; 100: the tile;
-# 640: streamed up to 4 tokens, the tile from 5.
+# The kernel's two paths (csrc/small_linear.cpp): features a multiple of 16 take the vector
+# path (blocks of 4 rows for one token, 8 rows x 2 tokens and a last odd token for more,
+# on AVX-512), other features the scalar tile. 48 and 640: vector; 100: scalar.
 FEATURES = [48, 100, 640]
 
 
@@ -28,10 +27,20 @@ FEATURES = [48, 100, 640]
 def test_kernel_equals_torch_linear(features: int, tokens: int, bias: bool) -> None:
     torch.manual_seed(tokens)
     x = torch.randn(tokens, features)
-    w = torch.randn(70, features)  # 70 rows: 17 tiles of four and a remainder of two
+    # 70 rows: blocks of four (17, two left) or eight (8, six left) and the rest row by row
+    w = torch.randn(70, features)
     b = torch.randn(70) if bias else None
     got = linear_cpu.CPULinear()(x, w, b)
     assert got.shape == (tokens, 70)
+    assert torch.allclose(got, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+def test_the_scalar_tile_forced_equals_torch_linear(tokens: int) -> None:
+    # vector=False: the scalar tile also where the vector path would run (bench/decode_linear.py).
+    torch.manual_seed(tokens)
+    x, w, b = torch.randn(tokens, 64), torch.randn(70, 64), torch.randn(70)
+    got = linear_cpu.CPULinear(vector=False)(x, w, b)
     assert torch.allclose(got, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
 
 
@@ -103,7 +112,7 @@ def test_the_fused_swiglu_and_residual_equal_torch(features: int, tokens: int) -
 def test_the_kernel_on_its_pool_threads_equals_torch_linear(threads: int, features: int) -> None:
     # The weight rows split into `threads` shares (csrc/spin_pool.h): none lost or doubled,
     # also when the shares are uneven (70 rows: 17 tiles of four and two remainder rows),
-    # on both paths (96 features: streamed rows; 100: the tile).
+    # on both paths (96 features: the vector path; 100: the scalar tile).
     torch.manual_seed(threads)
     x, w, b = torch.randn(5, features), torch.randn(70, features), torch.randn(70)
     before = torch.get_num_threads()

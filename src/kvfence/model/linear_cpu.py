@@ -36,8 +36,13 @@ class CPULinear:
     """
 
     def __init__(
-        self, kernel: bool = True, onednn: bool = True, rows: RowOps | None = None
+        self,
+        kernel: bool = True,
+        onednn: bool = True,
+        rows: RowOps | None = None,
+        vector: bool = True,
     ) -> None:
+        self.vector = vector  # False: the kernel's scalar tile for every shape (bench, tests)
         self.packed = PackedLinears() if onednn and linear_onednn.available() else None
         self.rows = rows or RowOps(kernel)
         lib = library() if kernel else None
@@ -46,7 +51,7 @@ class CPULinear:
             self._fn.restype = None
             ptr, i64 = ctypes.c_void_p, ctypes.c_int64
             self._fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ptr]
-            self._fn.argtypes += [ctypes.c_float, ctypes.c_int, ptr]
+            self._fn.argtypes += [ctypes.c_float, ctypes.c_int, ptr, ctypes.c_int]
 
     @property
     def has_kernel(self) -> bool:
@@ -151,6 +156,7 @@ class CPULinear:
         self._fn(
             x.data_ptr(), w.data_ptr(), _ptr(b), out.data_ptr(), m, n, k,
             torch.get_num_threads(), _ptr(norm), eps, int(glu), _ptr(residual),
+            int(self.vector),
         )  # fmt: skip
         return out
 

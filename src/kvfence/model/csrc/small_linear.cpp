@@ -3,12 +3,14 @@
 // or x = silu(gate) * up of a fused gate/up output [M, 2K] (`glu`), and optionally
 // with a residual [M, N] added to the result.
 //
-// At a handful of tokens a linear layer is bound by reading its weights once.
-// Each thread streams its own block of weight rows, four at a time, against
-// up to four tokens held in registers, so every weight byte is read once per
-// step, on the decode kernels' threads (spin_pool.h). Built with paged_decode.cpp into one library (kvfence.model.paged_cpu)
-// and called through kvfence.model.linear_cpu; prefill-sized batches stay on
-// the BLAS path.
+// At a handful of tokens a linear layer is bound by reading its weights once, so
+// every weight byte is read once per step, on the decode kernels' threads
+// (spin_pool.h), each thread taking its own blocks of weight rows. Two paths: the
+// vector path (vtile: a block of rows against a few tokens in vector registers, the
+// next block prefetched) for K a multiple of 16, and the scalar tile (four rows by four
+// tokens, `omp simd`) for other K, or all K when `vector` is 0 (bench, tests). Built
+// with paged_decode.cpp into one library (kvfence.model.paged_cpu) and called through
+// kvfence.model.linear_cpu; prefill-sized batches go to oneDNN.
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -18,7 +20,7 @@
 
 namespace {
 
-// Rows n0..n0+3 of w against tokens m0..m0+MB-1 of x (1 <= MB <= 4).
+// The scalar tile: rows n0..n0+3 of w against tokens m0..m0+MB-1 of x (1 <= MB <= 4).
 template <int MB>
 void tile(const float* x, const float* w, const float* bias, const float* res, float* out,
           int64_t m0, int64_t n0, int64_t N, int64_t K) {
@@ -53,54 +55,81 @@ void tile(const float* x, const float* w, const float* bias, const float* res, f
   }
 }
 
-// Up to this many floats of tokens (M * K), rows_streamed; above, the tile. rows_streamed
-// reads the tokens once per weight row, so they must stay in L1 beside the streaming row:
-// here it won at 1 x 576, 1 x 1536, 4 x 576 and lost at 2 x 1536 (12 KiB), 4 x 1536, 16 x 576.
-constexpr int64_t kStreamedFloats = 2560;
-
-// Weight row `wn` against tokens x[0..MB) (rows K apart): out_i = <x_i, wn>, for K a
-// multiple of kvf::kLanes. The row is read once, front to back, and stays in L1 for the
-// next group of tokens. One row at a time is the point: on the EPYC this was measured on,
-// streaming two or four rows side by side (the tile above) read memory at 17-20 GB/s,
-// one row after another at 29-30 GB/s (bench/decode_linear.py).
-template <int MB>
-inline void row_dot(const float* x, const float* wn, int64_t K, float* acc) {
-  kvf::vf a[MB] = {}, b[MB] = {};
-  int64_t k = 0;
-  for (; k + 2 * kvf::kLanes <= K; k += 2 * kvf::kLanes) {
-    const kvf::vf v = kvf::load(wn + k), u = kvf::load(wn + k + kvf::kLanes);
-    for (int i = 0; i < MB; ++i) {
-      a[i] += v * kvf::load(x + i * K + k);
-      b[i] += u * kvf::load(x + i * K + k + kvf::kLanes);
+// Rows n0..n0+R-1 of w against tokens m0..m0+T-1 of x, in registers, K a multiple of
+// kvf::kLanes. `next` (or null) is the first row of the block the thread takes after this
+// one: its every cache line is prefetched into L2 while this block computes (one line per
+// row per kLanes floats). R weight rows read side by side defeat the hardware prefetcher:
+// on the EPYC this was measured on, the tile read memory at 17-20 GB/s without this and
+// 27-30 GB/s with it, as fast as torch.sum (bench/decode_linear.py).
+template <int R, int T>
+void vtile(const float* x, const float* w, const float* bias, const float* res, float* out,
+           int64_t m0, int64_t n0, int64_t N, int64_t K, const float* next) {
+  kvf::vf a[T][R] = {};
+  const float* wr = w + n0 * K;
+  const float* xm = x + m0 * K;
+  for (int64_t k = 0; k < K; k += kvf::kLanes) {
+    kvf::vf v[R];
+    for (int r = 0; r < R; ++r) v[r] = kvf::load(wr + r * K + k);
+    if (next) {
+      for (int r = 0; r < R; ++r) __builtin_prefetch(next + r * K + k, 0, 1);
+    }
+    for (int t = 0; t < T; ++t) {
+      const kvf::vf y = kvf::load(xm + t * K + k);
+      for (int r = 0; r < R; ++r) a[t][r] += v[r] * y;
     }
   }
-  if (k < K) {
-    const kvf::vf v = kvf::load(wn + k);
-    for (int i = 0; i < MB; ++i) a[i] += v * kvf::load(x + i * K + k);
+  for (int t = 0; t < T; ++t) {
+    for (int r = 0; r < R; ++r) {
+      const int64_t o = (m0 + t) * N + n0 + r;
+      out[o] = kvf::hsum(a[t][r]) + (bias ? bias[n0 + r] : 0.0f) + (res ? res[o] : 0.0f);
+    }
   }
-  for (int i = 0; i < MB; ++i) acc[i] = kvf::hsum(a[i] + b[i]);
 }
 
-// Rows [n0, n1) of w against every token, one row at a time (row_dot).
-void rows_streamed(const float* x, const float* w, const float* bias, const float* res,
-                   float* out, int64_t M, int64_t n0, int64_t n1, int64_t N, int64_t K) {
-  float acc[4];
-  for (int64_t n = n0; n < n1; ++n) {
-    const float* wn = w + n * K;
-    const float b = bias ? bias[n] : 0.0f;
-    for (int64_t m = 0; m < M; m += 4) {
-      const int mb = M - m < 4 ? static_cast<int>(M - m) : 4;
-      const float* xm = x + m * K;
-      switch (mb) {
-        case 4: row_dot<4>(xm, wn, K, acc); break;
-        case 3: row_dot<3>(xm, wn, K, acc); break;
-        case 2: row_dot<2>(xm, wn, K, acc); break;
-        default: row_dot<1>(xm, wn, K, acc); break;
-      }
-      for (int i = 0; i < mb; ++i) {
-        const int64_t o = (m + i) * N + n;
-        out[o] = acc[i] + b + (res ? res[o] : 0.0f);
-      }
+// Blocks [b0, b1) of R weight rows against every token, T tokens at a time (then one).
+// The next block is prefetched during the first token group's pass over this one.
+template <int R, int T>
+void vblocks(const float* x, const float* w, const float* bias, const float* res, float* out,
+             int64_t M, int64_t b0, int64_t b1, int64_t N, int64_t K) {
+  for (int64_t nb = b0; nb < b1; ++nb) {
+    const int64_t n0 = nb * R;
+    const float* next = nb + 1 < b1 ? w + (n0 + R) * K : nullptr;
+    int64_t m = 0;
+    for (; m + T <= M; m += T) vtile<R, T>(x, w, bias, res, out, m, n0, N, K, m ? nullptr : next);
+    for (; m < M; ++m) vtile<R, 1>(x, w, bias, res, out, m, n0, N, K, m ? nullptr : next);
+  }
+}
+
+// The vector path's block of rows and tokens: 8 x 2 needs 25 of AVX-512's 32 registers
+// (16 sums, 8 weight vectors, a token's); AVX2's 16 half-width ones fit only 4 x 1.
+#ifdef __AVX512F__
+constexpr int kRows = 8, kTokens = 2;
+#else
+constexpr int kRows = 4, kTokens = 1;
+#endif
+
+// This part's share of the blocks on the vector path: 4 x 1 for one token (8 x 1 was
+// 7% slower there), kRows x kTokens for more.
+void vector_rows(const float* x, const float* w, const float* bias, const float* res,
+                 float* out, int64_t M, int part, int parts, int64_t N, int64_t K) {
+  const int R = M == 1 ? 4 : kRows;
+  int64_t b0, b1;
+  kvf::share(N / R, part, parts, &b0, &b1);
+  if (M == 1) {
+    vblocks<4, 1>(x, w, bias, res, out, M, b0, b1, N, K);
+  } else {
+    vblocks<kRows, kTokens>(x, w, bias, res, out, M, b0, b1, N, K);
+  }
+}
+
+// The last N % R rows (fewer than a block), any K.
+void rows_left(const float* x, const float* w, const float* bias, const float* res,
+               float* out, int64_t M, int64_t n0, int64_t N, int64_t K) {
+  for (int64_t n = n0; n < N; ++n) {
+    for (int64_t m = 0; m < M; ++m) {
+      float a = 0.0f;
+      for (int64_t k = 0; k < K; ++k) a += w[n * K + k] * x[m * K + k];
+      out[m * N + n] = a + (bias ? bias[n] : 0.0f) + (res ? res[m * N + n] : 0.0f);
     }
   }
 }
@@ -109,7 +138,7 @@ void rows_streamed(const float* x, const float* w, const float* bias, const floa
 
 extern "C" void kvf_small_linear(const float* x, const float* w, const float* bias, float* out,
                                  int64_t M, int64_t N, int64_t K, int threads, const float* norm,
-                                 float eps, int glu, const float* res) {
+                                 float eps, int glu, const float* res, int vector) {
   std::vector<float> normed;
   if (glu) {  // x is [M, 2K]: gate then up
     normed.resize(M * K);
@@ -130,12 +159,12 @@ extern "C" void kvf_small_linear(const float* x, const float* w, const float* bi
     }
     x = normed.data();
   }
-  if (K % kvf::kLanes == 0 && M * K <= kStreamedFloats) {
+  if (vector && K % kvf::kLanes == 0) {
     kvf::parallel_parts(threads, [&](int part, int parts) {
-      int64_t first, last;
-      kvf::share(N, part, parts, &first, &last);
-      rows_streamed(x, w, bias, res, out, M, first, last, N, K);
+      vector_rows(x, w, bias, res, out, M, part, parts, N, K);
     });
+    const int64_t R = M == 1 ? 4 : kRows;
+    rows_left(x, w, bias, res, out, M, N / R * R, N, K);
     return;
   }
   const int64_t blocks = N / 4;
@@ -154,11 +183,5 @@ extern "C" void kvf_small_linear(const float* x, const float* w, const float* bi
       }
     }
   });
-  for (int64_t n = blocks * 4; n < N; ++n) {  // the last N % 4 weight rows
-    for (int64_t m = 0; m < M; ++m) {
-      float a = 0.0f;
-      for (int64_t k = 0; k < K; ++k) a += w[n * K + k] * x[m * K + k];
-      out[m * N + n] = a + (bias ? bias[n] : 0.0f) + (res ? res[m * N + n] : 0.0f);
-    }
-  }
+  rows_left(x, w, bias, res, out, M, blocks * 4, N, K);
 }
