@@ -34,24 +34,7 @@ using kvf::load;
 using kvf::store;
 using kvf::vf;
 
-// exp(x) for x <= 0 (a score minus the row's maximum): Cephes' expf polynomial after
-// range reduction by ln 2, within a few ulp of std::exp on [-87, 0]; 2^-126 scale below.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-126, 0]
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
+using kvf::exp_nonpositive;
 
 // Where one job reads: row r's table, its KV head, its key range [a, b).
 struct Job {

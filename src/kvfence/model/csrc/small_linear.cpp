@@ -134,29 +134,46 @@ void rows_left(const float* x, const float* w, const float* bias, const float* r
   }
 }
 
+// silu(g) * u for one token (x = gate then up, [2K]): sigmoid from exp(-|g|), which never
+// overflows: 1 / (1 + e) for g >= 0, e / (1 + e) below. Vectorised (omp simd).
+void silu_times(const float* g, const float* u, float* out, int64_t K) {
+#pragma omp simd
+  for (int64_t k = 0; k < K; ++k) {
+    const float e = kvf::exp_nonpositive(-std::fabs(g[k]));
+    const float sig = (g[k] >= 0.0f ? 1.0f : e) / (1.0f + e);
+    out[k] = g[k] * sig * u[k];
+  }
+}
+
+// HF's float32 RMSNorm of one token: x * rsqrt(mean(x^2) + eps) * norm.
+void rms_normed(const float* x, const float* norm, float eps, float* out, int64_t K) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t k = 0; k < K; ++k) ss += x[k] * x[k];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
+#pragma omp simd
+  for (int64_t k = 0; k < K; ++k) out[k] = x[k] * r * norm[k];
+}
+
 }  // namespace
 
 extern "C" void kvf_small_linear(const float* x, const float* w, const float* bias, float* out,
                                  int64_t M, int64_t N, int64_t K, int threads, const float* norm,
                                  float eps, int glu, const float* res, int vector) {
   std::vector<float> normed;
-  if (glu) {  // x is [M, 2K]: gate then up
+  if (glu || norm) {  // the tokens' prologue, split by tokens over the threads from 4 tokens
     normed.resize(M * K);
-    for (int64_t m = 0; m < M; ++m) {
-      const float* g = x + m * 2 * K;
-      const float* u = g + K;
-      for (int64_t k = 0; k < K; ++k) normed[m * K + k] = g[k] / (1.0f + std::exp(-g[k])) * u[k];
-    }
-    x = normed.data();
-  } else if (norm) {  // x[m] * rsqrt(mean(x[m]^2) + eps) * norm, once per token before the weights
-    normed.resize(M * K);
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xm = x + m * K;
-      float ss = 0.0f;
-      for (int64_t k = 0; k < K; ++k) ss += xm[k] * xm[k];
-      const float r = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
-      for (int64_t k = 0; k < K; ++k) normed[m * K + k] = xm[k] * r * norm[k];
-    }
+    kvf::parallel_parts(M >= 4 ? threads : 1, [&](int part, int parts) {
+      int64_t first, last;
+      kvf::share(M, part, parts, &first, &last);
+      for (int64_t m = first; m < last; ++m) {
+        if (glu) {
+          silu_times(x + m * 2 * K, x + m * 2 * K + K, normed.data() + m * K, K);
+        } else {
+          rms_normed(x + m * K, norm, eps, normed.data() + m * K, K);
+        }
+      }
+    });
     x = normed.data();
   }
   if (vector && K % kvf::kLanes == 0) {
