@@ -9,16 +9,11 @@
 #include <cmath>
 #include <cstdint>
 
+#include "vec.h"
+
 extern "C" void kvf_rms_norm(const float* x, const float* w, float* out, int64_t T, int64_t H,
                              float eps) {
-  for (int64_t t = 0; t < T; ++t) {
-    const float* xt = x + t * H;
-    float* ot = out + t * H;
-    float ss = 0.0f;
-    for (int64_t k = 0; k < H; ++k) ss += xt[k] * xt[k];
-    const float r = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
-    for (int64_t k = 0; k < H; ++k) ot[k] = w[k] * (xt[k] * r);
-  }
+  for (int64_t t = 0; t < T; ++t) kvf::rms_normed(x + t * H, w, eps, out + t * H, H);
 }
 
 // x: T rows of `stride` floats; heads 0..H-1 of D floats each at the row's start are rotated.

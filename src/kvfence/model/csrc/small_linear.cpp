@@ -145,16 +145,6 @@ void silu_times(const float* g, const float* u, float* out, int64_t K) {
   }
 }
 
-// HF's float32 RMSNorm of one token: x * rsqrt(mean(x^2) + eps) * norm.
-void rms_normed(const float* x, const float* norm, float eps, float* out, int64_t K) {
-  float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t k = 0; k < K; ++k) ss += x[k] * x[k];
-  const float r = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
-#pragma omp simd
-  for (int64_t k = 0; k < K; ++k) out[k] = x[k] * r * norm[k];
-}
-
 }  // namespace
 
 extern "C" void kvf_small_linear(const float* x, const float* w, const float* bias, float* out,
@@ -170,7 +160,7 @@ extern "C" void kvf_small_linear(const float* x, const float* w, const float* bi
         if (glu) {
           silu_times(x + m * 2 * K, x + m * 2 * K + K, normed.data() + m * K, K);
         } else {
-          rms_normed(x + m * K, norm, eps, normed.data() + m * K, K);
+          kvf::rms_normed(x + m * K, norm, eps, normed.data() + m * K, K);
         }
       }
     });

@@ -49,4 +49,15 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// HF's float32 RMSNorm of one token: x * rsqrt(mean(x^2) + eps) * norm. The sum of squares
+// is a vector reduction (omp simd): a serial one is one add latency per element.
+inline void rms_normed(const float* x, const float* norm, float eps, float* out, int64_t K) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t k = 0; k < K; ++k) ss += x[k] * x[k];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
+#pragma omp simd
+  for (int64_t k = 0; k < K; ++k) out[k] = x[k] * r * norm[k];
+}
+
 }  // namespace kvf
