@@ -3,8 +3,10 @@
 A decode step at low concurrency multiplies a handful of token rows by every
 weight matrix, so it is bound by reading the weights once. torch's float32
 linear (MKL) reads them at about half the memory bandwidth there; the kernel
-in `csrc/small_linear.cpp` streams each weight row once against up to four
-tokens in registers, with the RMSNorm before it fused into the same call (`bench/engine_step.py --linear` measures both in one run).
+in `csrc/small_linear.cpp` reads each weight row once per step against the
+step's tokens held in vector registers, the next block of rows prefetched,
+with the RMSNorm or SwiGLU before it fused into the same call
+(`bench/decode_linear.py` measures it against its scalar tile and MKL, one run).
 Prefill-sized float32 batches go to oneDNN with packed weights
 (`model.linear_onednn`); other dtypes and non-contiguous operands take
 `F.linear`. Built with the paged decode kernel (`model.paged_cpu`).

@@ -13,6 +13,7 @@
 // kvfence.model.linear_cpu; prefill-sized batches go to oneDNN.
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "spin_pool.h"
@@ -100,23 +101,28 @@ void vblocks(const float* x, const float* w, const float* bias, const float* res
   }
 }
 
-// The vector path's block of rows and tokens: 8 x 2 needs 25 of AVX-512's 32 registers
-// (16 sums, 8 weight vectors, a token's); AVX2's 16 half-width ones fit only 4 x 1.
+// The vector path's blocks. AVX-512: 4 rows for one token (8 x 1 was 7% slower), 8 rows x
+// 2 tokens for more (25 of its 32 registers: 16 sums, 8 weight vectors, a token's). AVX2
+// has 16 half-width registers: one token in blocks of 4 rows (1.04-1.17x the scalar tile;
+// 2 rows: 0.82x), from two tokens the scalar tile (the vector path's 4 x 1 blocks ran 16
+// tokens at 0.3x its speed). Measured with -mno-avx512f on the AVX-512 machine.
 #ifdef __AVX512F__
-constexpr int kRows = 8, kTokens = 2;
+constexpr int kOneRows = 4, kRows = 8, kTokens = 2;
+constexpr int64_t kVectorTokens = std::numeric_limits<int64_t>::max();
 #else
-constexpr int kRows = 4, kTokens = 1;
+constexpr int kOneRows = 4, kRows = 4, kTokens = 1;
+constexpr int64_t kVectorTokens = 1;
 #endif
 
-// This part's share of the blocks on the vector path: 4 x 1 for one token (8 x 1 was
-// 7% slower there), kRows x kTokens for more.
+int64_t block_rows(int64_t M) { return M == 1 ? kOneRows : kRows; }
+
+// This part's share of the blocks on the vector path.
 void vector_rows(const float* x, const float* w, const float* bias, const float* res,
                  float* out, int64_t M, int part, int parts, int64_t N, int64_t K) {
-  const int R = M == 1 ? 4 : kRows;
   int64_t b0, b1;
-  kvf::share(N / R, part, parts, &b0, &b1);
+  kvf::share(N / block_rows(M), part, parts, &b0, &b1);
   if (M == 1) {
-    vblocks<4, 1>(x, w, bias, res, out, M, b0, b1, N, K);
+    vblocks<kOneRows, 1>(x, w, bias, res, out, M, b0, b1, N, K);
   } else {
     vblocks<kRows, kTokens>(x, w, bias, res, out, M, b0, b1, N, K);
   }
@@ -166,12 +172,11 @@ extern "C" void kvf_small_linear(const float* x, const float* w, const float* bi
     });
     x = normed.data();
   }
-  if (vector && K % kvf::kLanes == 0) {
+  if (vector && K % kvf::kLanes == 0 && M <= kVectorTokens) {
     kvf::parallel_parts(threads, [&](int part, int parts) {
       vector_rows(x, w, bias, res, out, M, part, parts, N, K);
     });
-    const int64_t R = M == 1 ? 4 : kRows;
-    rows_left(x, w, bias, res, out, M, N / R * R, N, K);
+    rows_left(x, w, bias, res, out, M, N / block_rows(M) * block_rows(M), N, K);
     return;
   }
   const int64_t blocks = N / 4;
