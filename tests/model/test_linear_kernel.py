@@ -111,7 +111,8 @@ def test_the_fused_swiglu_and_residual_equal_torch(features: int, tokens: int) -
 @pytest.mark.parametrize("threads", [2, 3])
 def test_the_kernel_on_its_pool_threads_equals_torch_linear(threads: int, features: int) -> None:
     # The weight rows split into `threads` shares (csrc/spin_pool.h): none lost or doubled,
-    # also when the shares are uneven (70 rows: 17 tiles of four and two remainder rows),
+    # also when the shares are uneven (70 rows: 8 blocks of eight and six rows left on the
+    # vector path, 17 tiles of four and two left on the scalar one),
     # on both paths (96 features: the vector path; 100: the scalar tile).
     torch.manual_seed(threads)
     x, w, b = torch.randn(5, features), torch.randn(70, features), torch.randn(70)
