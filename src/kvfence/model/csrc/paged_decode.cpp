@@ -30,13 +30,12 @@
 
 namespace {
 
+using kvf::exp_nonpositive;
 using kvf::hsum;
 using kvf::kLanes;
 using kvf::load;
 using kvf::store;
 using kvf::vf;
-
-using kvf::exp_nonpositive;
 
 // Where one job reads: row r's table, its KV head, its key range [a, b).
 struct Job {

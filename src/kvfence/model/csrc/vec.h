@@ -31,7 +31,8 @@ inline float hsum(vf v) {
 }
 
 // exp(x) for x <= 0 (a score minus its row's maximum, or -|x| in SiLU): Cephes' expf
-// polynomial after range reduction by ln 2, within a few ulp of std::exp on [-87, 0]; 2^-126 scale below.
+// polynomial after range reduction by ln 2, within a few ulp of std::exp on [-87, 0];
+// 2^-126 scale below.
 inline float exp_nonpositive(float x) {
   x = x < -87.0f ? -87.0f : x;
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
