@@ -1,10 +1,12 @@
 """Faults on the real PD stack: sglang-router in front, Mooncake / NIXL moving the KV.
 
 A transfer is caught "mid-transfer" with the lab's grant hold
-(`serve/transfer/senders.py`, `KVFENCE_LAB_HOLD_GRANTED`): the prefill worker
+(`serve/transfer/lab_holds.py`, `KVFENCE_LAB_HOLD_GRANTED`): the prefill worker
 that has just been granted decode's pages (I7: they are inbound) parks before
 its engine writes a byte and says so with a file naming its pid; the test
-then kills or freezes exactly that process. The router runs with retries off
+then kills or freezes exactly that process. The freeze case also holds
+decode's steps, so the late write lands after another request's KV has
+landed and before decode reads it: the order is fixed, never a race. The router runs with retries off
 so the affected request's own outcome reaches the client (with retries on it
 is re-sent to a fresh pair; that is the router's business, not a fence).
 
@@ -17,7 +19,6 @@ lands in a reused page and another tenant's output shows it.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -37,7 +38,7 @@ from kvfence.faults import Fault, FaultSet
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve.sglang.stack import Stack, StackSpec, Worker
 from kvfence.serve.tenants import TenantRegistry
-from kvfence.serve.transfer.senders import HOLD_ENV
+from kvfence.serve.transfer.lab_holds import HOLD_ENV
 
 pytestmark = pytest.mark.slow
 SENTINEL = "ZQX4817263"
@@ -175,27 +176,24 @@ def assert_quiet(r: Rig, workers: list[Worker]) -> None:
         assert got == (0, 0, "ok"), (w.name, got)
 
 
-def stream_tokens(r: Rig, tenant: str, prompt: str, on_token: Any) -> str:
-    """A streamed completion's text; `on_token(n)` after each of its tokens arrives."""
-    body = {"model": r.model, "prompt": prompt, "max_tokens": HALF, "temperature": 0}
-    body |= {"stream": True, "ignore_eos": True}
-    auth = {"Authorization": f"Bearer {r.keys[tenant]}"}
-    parts: list[str] = []
-    with httpx.stream("POST", f"{r.url}/v1/completions", headers=auth, json=body, timeout=120) as s:
-        assert s.status_code == 200, s.read()
-        for line in s.iter_lines():
-            if line.startswith("data: {"):
-                parts.append(json.loads(line[6:])["choices"][0]["text"])
-                on_token(len(parts))
-    return "".join(parts)
+def wait_for(folder: Path, pattern: str, what: str, timeout: float = 60.0) -> Path:
+    """The first file in `folder` matching `pattern`, once a worker has written it."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        found = sorted(folder.glob(pattern))
+        if found:
+            return found[0]
+        time.sleep(0.01)
+    raise AssertionError(f"no {what} within {timeout:.0f} s ({folder / pattern})")
 
 
 @dataclass(frozen=True, slots=True)
 class Frozen:
     victim: Outcome
-    other: str  # another tenant's streamed text, decoded while the frozen write landed
+    other: Outcome  # another tenant's answer, decoded over the pages after the late write
     other_own: str
     pending: int  # decode's parked pages once A's room was given up
+    late_write: str  # how A's late transfer ended: "ok" when every byte was written
 
 
 def freeze_mid_transfer(r: Rig) -> Frozen:
@@ -203,13 +201,17 @@ def freeze_mid_transfer(r: Rig) -> Frozen:
 
     Decode gives A's room up by its pair deadline and releases A's pages. B (the
     same length, so it needs as many pages) goes through the other prefill to
-    the same decode; while B decodes, A's prefill is woken (SIGCONT) and its
-    engine writes where the grant said.
+    the same decode, which holds B landed and reconciled but unread (the lab's
+    `hold-decode`). Only then is A's prefill woken (SIGCONT): its engine writes
+    where the grant said, and once that write has ended B decodes. The holds fix
+    the order; no timing is assumed (B's 150 tokens take 0.2 s).
     """
     a_prompt = text_of(r.tokenizer, f"{SENTINEL} invoice ", HALF)
     b_prompt = text_of(r.tokenizer, "weather report ", HALF)
     t, result, pid = hold_next_grant(r, lambda: post(r, "tenant-a", a_prompt, HALF))
     os.kill(pid, signal.SIGSTOP)
+    other: dict[str, Outcome] = {}
+    b = threading.Thread(target=lambda: other.setdefault("v", post(r, "tenant-b", b_prompt, HALF)))
     try:
         (r.hold / "hold").unlink()  # it stays parked until it runs again
         decode = r.workers("decode")[0]
@@ -217,19 +219,20 @@ def freeze_mid_transfer(r: Rig) -> Frozen:
         while r.facts(decode)["pages_used"] and time.monotonic() < end:
             time.sleep(0.2)  # decode gave A's room up (pair deadline): its pages are released
         pending = int(r.facts(decode)["pages_pending"])
-        woken: list[bool] = []
-
-        def wake(n: int) -> None:
-            if n == 4 and not woken:
-                os.kill(pid, signal.SIGCONT)
-                woken.append(True)
-
-        other = stream_tokens(r, "tenant-b", b_prompt, wake)
-    finally:
+        for stale in r.hold.glob("decoding-*"):
+            stale.unlink()
+        (r.hold / "hold-decode").touch()
+        b.start()
+        wait_for(r.hold, "decoding-*", "decode holding B's landed KV")
         os.kill(pid, signal.SIGCONT)
+        late_write = wait_for(r.hold, f"sent-{pid}-*", "end of A's late write").read_text()
+    finally:
+        (r.hold / "hold-decode").unlink(missing_ok=True)
+        os.kill(pid, signal.SIGCONT)
+    b.join(120)
     t.join(120)
     own = r.tokenizer.decode(r.tokenizer.encode(b_prompt))
-    return Frozen(result["v"], other, own, pending)
+    return Frozen(result["v"], other["v"], own, pending, late_write)
 
 
 # ---- the shared stacks: two prefill workers, one decode, per transport ----------------------
@@ -268,8 +271,10 @@ def test_frozen_prefill_writes_late_into_parked_pages_only(two_prefill: Rig) -> 
     # Decode's 504 (pair deadline); the router re-labels a decode error 500, message kept.
     assert frozen.victim.status >= 500 and "did not prefill room" in frozen.victim.body, frozen
     assert frozen.pending > 0  # A's pages parked until its late write is confirmed (I7)
-    assert SENTINEL not in frozen.other, frozen.other[:300]
-    assert frozen.other.startswith(frozen.other_own), frozen.other[:300]
+    assert frozen.late_write == "ok"  # it landed before B read a token: the case is not vacuous
+    assert frozen.other.full(r.tokenizer, frozen.other_own, HALF), frozen.other
+    assert SENTINEL not in frozen.other.text, frozen.other.text[:300]
+    assert frozen.other.text.startswith(frozen.other_own), frozen.other.text[:300]
     assert_quiet(r, r.stack.workers)
     ok = post(r, "tenant-a", "after the thaw " * 4, 12)
     assert ok.full(r.tokenizer, "after the thaw " * 4, 12), ok
@@ -312,7 +317,10 @@ def test_early_free_lets_the_late_mooncake_write_into_another_tenants_pages(
         frozen = freeze_mid_transfer(r)
     assert frozen.victim.status >= 500 and "did not prefill room" in frozen.victim.body, frozen
     assert frozen.pending == 0  # A's pages went straight back to the free list
-    assert SENTINEL in frozen.other, frozen.other[:300]  # A's prompt in B's answer
+    assert frozen.late_write == "ok", frozen.late_write
+    # A 200 with B's token count, built from A's prompt: the incident's answer.
+    assert frozen.other.status == 200 and frozen.other.completion_tokens == HALF, frozen.other
+    assert SENTINEL in frozen.other.text, frozen.other.text[:300]
 
 
 # ---- decode killed mid-generation: one prefill, two decode workers -------------------------

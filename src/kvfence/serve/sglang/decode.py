@@ -35,6 +35,7 @@ from kvfence.faults import FaultSet
 from kvfence.kv.pool import PageHandle
 from kvfence.serve.sglang.side import PAIR_TIMEOUT_S, Cancel, PairSide, Reject, Submit
 from kvfence.serve.transfer.base import KVReceiver
+from kvfence.serve.transfer.lab_holds import StepHold
 
 
 class DecodeSide(PairSide):
@@ -43,7 +44,12 @@ class DecodeSide(PairSide):
     role = "decode"
 
     def __init__(
-        self, engine: DecodeEngine, receiver: KVReceiver, reply_addr: str, faults: FaultSet
+        self,
+        engine: DecodeEngine,
+        receiver: KVReceiver,
+        reply_addr: str,
+        faults: FaultSet,
+        hold: StepHold | None = None,
     ) -> None:
         super().__init__(engine.pool, reply_addr, [Failure, Abort, TransferDone])
         self.engine = engine
@@ -51,6 +57,7 @@ class DecodeSide(PairSide):
         receiver.notify(self.waker.set)  # a landed transfer is reconciled and decoded at once
         self.rooms = Rooms(faults)  # one end per request (I6), shared with the other backends
         self.transfer_failures = 0
+        self.hold = hold  # lab only (faults tests): no step while the test holds decode
 
     def iterate(self) -> None:
         """The data flow: prefill's notes -> commands -> what landed (I3) -> step -> tokens."""
@@ -62,7 +69,7 @@ class DecodeSide(PairSide):
         for failure in apply_transfer_events(engine, self.receiver.poll()):
             self.transfer_failures += 1  # cancelled, refused or its sender died
             self._deliver(failure)
-        if engine.has_work:
+        if engine.has_work and not (self.hold and self.hold.holds(bool(engine.running))):
             engine.step()
         out = engine.drain()
         for ready in out.ready:

@@ -37,7 +37,8 @@ from kvfence.engine.prefill import OutboundTransfer, PrefillEngine
 from kvfence.kv.pool import PageHandle
 from kvfence.serve.sglang.side import PAIR_TIMEOUT_S, Cancel, PairSide, Reject, Submit
 from kvfence.serve.transfer.base import KVTransport
-from kvfence.serve.transfer.senders import GrantHold, Senders
+from kvfence.serve.transfer.lab_holds import GrantHold
+from kvfence.serve.transfer.senders import Senders
 
 
 @dataclass(slots=True)

@@ -10,6 +10,7 @@ URL, bootstrap port) so a launcher can hand the router the ports it bound.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from kvfence.serve.sglang.routing import WorkerRouter
 from kvfence.serve.sglang.side import PairSide
 from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.thread import bind, serve_forever, url_of
+from kvfence.serve.transfer.lab_holds import StepHold
 from kvfence.serve.transfer.registry import get_transport
 
 ANNOUNCE = "KVFENCE_SGLANG_WORKER "
@@ -68,7 +70,8 @@ def build_side(spec: SglangWorkerSpec, loaded: LoadedModel) -> PairSide:
     pool = transport.create_pool(geometry, config.decode_pages, scrub=config.scrub, faults=faults)
     receiver = transport.receiver(pool)
     decode = DecodeEngine(loaded.model, pool, config, faults, inbound=receiver)
-    return DecodeSide(decode, receiver, f"tcp://{w.kv_host}:0", faults)
+    hold = StepHold.from_env(os.environ)
+    return DecodeSide(decode, receiver, f"tcp://{w.kv_host}:0", faults, hold)
 
 
 def serve_config(spec: SglangWorkerSpec, loaded: LoadedModel) -> ServeConfig:

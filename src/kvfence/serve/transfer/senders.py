@@ -2,12 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import time
-from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
-
 from kvfence.engine.prefill import OutboundTransfer
 from kvfence.kv.pool import KVPool
 from kvfence.serve.transfer.base import (
@@ -17,33 +11,7 @@ from kvfence.serve.transfer.base import (
     TransferRefused,
     TransportClosed,
 )
-
-HOLD_ENV = "KVFENCE_LAB_HOLD_GRANTED"  # a folder; unset outside the faults tests
-
-
-@dataclass(frozen=True, slots=True)
-class GrantHold:
-    """Lab only: park a granted in-place transfer, so a test can kill or freeze prefill there.
-
-    While `<folder>/hold` exists, a sender that has its grant (decode's pages
-    are inbound, I7) writes `<folder>/granted-<pid>-<room>` and waits before the
-    engine writes a byte. It only delays; every fence stays where it is.
-    """
-
-    folder: Path
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> GrantHold | None:
-        folder = env.get(HOLD_ENV, "")
-        return cls(Path(folder)) if folder else None
-
-    def wait(self, room: str) -> None:
-        flag = self.folder / "hold"
-        if not flag.exists():
-            return
-        (self.folder / f"granted-{os.getpid()}-{room}").touch()
-        while flag.exists():
-            time.sleep(0.01)
+from kvfence.serve.transfer.lab_holds import GrantHold
 
 
 class Senders:
@@ -76,8 +44,15 @@ class Senders:
             return
         out = sender.prepare(transfer, pool)
         sender.begin(out)  # granted: from here the transfer is in flight (I7)
-        self.hold.wait(transfer.room)
-        sender.complete(out)
+        if not self.hold.wait(transfer.room):
+            sender.complete(out)
+            return
+        try:
+            sender.complete(out)
+        except Exception as e:
+            self.hold.sent(transfer.room, f"failed: {e}")
+            raise
+        self.hold.sent(transfer.room, "ok")
 
     def close(self) -> None:
         for sender in self._open.values():

@@ -1,0 +1,82 @@
+"""Lab only: holds that put a KV transfer at an exact point against decode's reads.
+
+The faults tests (tests/sglang/test_sglang_faults.py) need a late write to land
+at a known moment: after decode has given the room up, and before another
+request decodes over the pages. Timing alone cannot promise that (a tiny
+model decodes 150 tokens in 0.2 s), so both workers read one folder, named
+by `KVFENCE_LAB_HOLD_GRANTED`, and talk to the test through files in it:
+
+- prefill: while `hold` exists, a sender that has its grant (I7: decode's
+  pages are inbound) writes `granted-<pid>-<room>` and waits before the
+  engine writes a byte; once that held transfer ends it writes
+  `sent-<pid>-<room>` holding "ok" or why it failed.
+- decode: while `hold-decode` exists, decode runs no step while it has rows
+  to decode and writes `decoding-<pid>` once: what landed is reconciled, and
+  nothing has read it yet.
+
+They only delay: every fence stays where it is. Unset outside those tests.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+HOLD_ENV = "KVFENCE_LAB_HOLD_GRANTED"  # a folder; unset outside the faults tests
+POLL_S = 0.01
+
+
+def _folder(env: Mapping[str, str]) -> Path | None:
+    folder = env.get(HOLD_ENV, "")
+    return Path(folder) if folder else None
+
+
+@dataclass(frozen=True, slots=True)
+class GrantHold:
+    """Prefill's hold: park a granted in-place transfer before its first byte."""
+
+    folder: Path
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> GrantHold | None:
+        folder = _folder(env)
+        return cls(folder) if folder else None
+
+    def wait(self, room: str) -> bool:
+        """Whether the transfer was held (then `sent` reports how it ended)."""
+        flag = self.folder / "hold"
+        if not flag.exists():
+            return False
+        (self.folder / f"granted-{os.getpid()}-{room}").touch()
+        while flag.exists():
+            time.sleep(POLL_S)
+        return True
+
+    def sent(self, room: str, outcome: str) -> None:
+        """The transfer ended: "ok" (every byte written, the end sent) or why not."""
+        (self.folder / f"sent-{os.getpid()}-{room}").write_text(outcome)
+
+
+@dataclass(frozen=True, slots=True)
+class StepHold:
+    """Decode's hold: no step over rows that are ready to decode while `hold-decode` exists."""
+
+    folder: Path
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> StepHold | None:
+        folder = _folder(env)
+        return cls(folder) if folder else None
+
+    def holds(self, decoding: bool) -> bool:
+        """Whether to skip this step; sleeps one poll when it does, so the loop does not spin."""
+        if not decoding or not (self.folder / "hold-decode").exists():
+            return False
+        marker = self.folder / f"decoding-{os.getpid()}"
+        if not marker.exists():
+            marker.touch()
+        time.sleep(POLL_S)
+        return True
