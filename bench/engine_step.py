@@ -22,7 +22,8 @@ and one result line:
 
 With `--compare ledger`: the same decode steps with the I1 ledger check on
 (production) vs the lab's `no-ledger-check` fault; `--compare linear`: the
-few-token linear kernel vs torch's linear. At each `--levels` row count the
+few-token linear kernel vs torch's linear (both layer by layer); `--compare fused`:
+a decode step's layers in one kernel call vs one call per kernel. At each `--levels` row count the
 two alternate `--repeats` times (order flipped each repeat), medians compared.
 Beside it, far less sensitive to machine load: the I1 checks' own time (`_check_slots` + `KVPool.verify`)
 as a share of each production step, timed inside the same steps:
@@ -32,7 +33,7 @@ as a share of each production step, timed inside the same steps:
   load1=...
 
 Usage: python bench/engine_step.py [--preset tiny|smollm] [--threads N]
-       python bench/engine_step.py --compare ledger|linear [--preset smollm] [--threads 2]
+       python bench/engine_step.py --compare ledger|linear|fused [--preset smollm] [--threads 2]
        python bench/engine_step.py --mixed [--preset smollm] [--requests 24] [--concurrency 16]
 """
 
@@ -291,12 +292,16 @@ def compare(args: argparse.Namespace, loaded: Any) -> None:
     model, geometry = loaded.model, loaded.config.kv_geometry(page_size=16)
     vocab = loaded.config.vocab_size
     kernel_linear, torch_linear = model.linear, CPULinear(kernel=False)
-    variants: dict[str, tuple[FaultSet, CPULinear]] = (
-        {"ledger": (FaultSet(), kernel_linear),
-         "no-ledger": (FaultSet.of(Fault.NO_LEDGER_CHECK), kernel_linear)}
-        if args.compare == "ledger"
-        else {"kernel": (FaultSet(), kernel_linear), "torch": (FaultSet(), torch_linear)}
-    )  # fmt: skip
+    fused = model.fused
+    # name -> (faults, linear, fused decode on)
+    variants: dict[str, tuple[FaultSet, CPULinear, bool]] = {
+        "ledger": {"ledger": (FaultSet(), kernel_linear, True),
+                   "no-ledger": (FaultSet.of(Fault.NO_LEDGER_CHECK), kernel_linear, True)},
+        "linear": {"kernel": (FaultSet(), kernel_linear, False),
+                   "torch": (FaultSet(), torch_linear, False)},
+        "fused": {"fused": (FaultSet(), kernel_linear, True),
+                  "per-layer": (FaultSet(), kernel_linear, False)},
+    }[args.compare]  # fmt: skip
     load0 = os.getloadavg()[0]
     for rows in args.levels:
         ms: dict[str, list[float]] = {name: [] for name in variants}
@@ -304,8 +309,8 @@ def compare(args: argparse.Namespace, loaded: Any) -> None:
         for rep in range(args.repeats):
             order = list(variants) if rep % 2 == 0 else list(variants)[::-1]
             for name in order:
-                faults, linear = variants[name]
-                model.linear = linear
+                faults, linear, fuse = variants[name]
+                model.linear, model.fused = linear, fused if fuse else None
                 r = decode_steps(model, geometry, rows, faults, vocab)
                 ms[name].append(r.step_ms)
                 if not faults:
@@ -321,7 +326,7 @@ def compare(args: argparse.Namespace, loaded: Any) -> None:
             f"load1={load0:.2f}->{os.getloadavg()[0]:.2f}",
             flush=True,
         )
-    model.linear = kernel_linear
+    model.linear, model.fused = kernel_linear, fused
 
 
 def main() -> None:
@@ -332,9 +337,10 @@ def main() -> None:
     ap.add_argument("--mixed", action="store_true", help="mixed batches vs separate forwards")
     ap.add_argument(
         "--compare",
-        choices=("ledger", "linear"),
-        help="decode steps with the I1 ledger check on vs the lab's no-ledger-check, or the "
-        "few-token linear kernel vs torch's linear, interleaved at each of --levels",
+        choices=("ledger", "linear", "fused"),
+        help="decode steps with the I1 ledger check on vs the lab's no-ledger-check, the "
+        "few-token linear kernel vs torch's linear (layer by layer), or every layer in one "
+        "call vs one call per kernel, interleaved at each of --levels",
     )
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--requests", type=int, default=24)

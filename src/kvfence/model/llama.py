@@ -20,6 +20,7 @@ from kvfence.kv.pool import KVPool
 from kvfence.model.attention import AttentionBackend, AttentionPlan, begin_step, get_backend
 from kvfence.model.base import CausalLM, ForwardBatch
 from kvfence.model.config import ModelConfig, RopeScaling
+from kvfence.model.decode_layers import FusedDecode
 from kvfence.model.linear_cpu import CPULinear
 
 
@@ -142,12 +143,15 @@ class LlamaModel(CausalLM):
         dtype: torch.dtype = torch.float32,
         backend: AttentionBackend | None = None,
         linear: CPULinear | None = None,
+        fuse_decode: bool = True,
     ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.backend = backend or get_backend("cpu")
         self.linear = linear or CPULinear()
+        # Decode-only steps: every layer in one kernel call (False: one call per kernel).
+        self.fused = FusedDecode() if fuse_decode else None
         self.scale = config.head_dim**-0.5
         self.embed = _param(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
         self.layers = torch.nn.ModuleList(
@@ -238,13 +242,25 @@ class LlamaModel(CausalLM):
                 else parts[0][0].input_ids
             )
             x = F.embedding(ids, self.embed)
-            for layer in self.layers:
-                x = layer(x, self, steps, cos, sin)
+            fused = self._fused(x, steps, cos, sin)
+            if fused is not None:
+                x = fused
+            else:
+                for layer in self.layers:
+                    x = layer(x, self, steps, cos, sin)
             rows = [p.logit_rows() for p in steps]
             head = self.embed if self.lm_head is None else self.lm_head
             x = x[torch.cat(rows)]
             logits = self.linear.normed(x, self.norm, self.config.rms_norm_eps, head).float()
             return list(logits.split([r.numel() for r in rows]))
+
+    def _fused(
+        self, x: torch.Tensor, steps: list[_Part], cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Every layer in one call where the step is decode-only over one pool, else None."""
+        if self.fused is None or len(steps) != 1:
+            return None
+        return self.fused.run(self, x, steps[0].pool, steps[0].plan, cos, sin)
 
     def _plan(self, parts: Sequence[tuple[ForwardBatch, KVPool]]) -> list[_Part]:
         steps, lo = [], 0

@@ -32,7 +32,14 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(
-    CSRC / n for n in ("paged_decode.cpp", "small_linear.cpp", "spin_pool.cpp", "rows.cpp")
+    CSRC / n
+    for n in (
+        "paged_decode.cpp",
+        "small_linear.cpp",
+        "spin_pool.cpp",
+        "rows.cpp",
+        "decode_layers.cpp",
+    )
 )
 HEADERS = (CSRC / "spin_pool.h", CSRC / "vec.h")
 # OpenMP only for `omp simd`: the kernels' threads are spin_pool's, not libgomp's.
