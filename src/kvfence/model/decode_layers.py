@@ -1,10 +1,11 @@
 """A decode step's decoder layers in one kernel call (`csrc/decode_layers.cpp`).
 
-At one token a layer's kernels take about 0.55 ms together, and the Python
-that calls them (seven ctypes calls, two `index_copy_`, views, checks) about
-0.13 ms more: some 4 ms of a 23 ms step on a 30-layer model. The C++ entry
-point runs the same kernels in the same order, so the output is bitwise the
-per-layer path's; only the calls between them leave Python.
+At a handful of tokens the Python that calls a layer's kernels one by one
+(seven ctypes calls, two `index_copy_`, views, checks) costs about 0.1 ms a
+layer: 3 ms of a 25 ms one-token step on a 30-layer model, 9 ms of an 82 ms
+16-row step (`bench/engine_step.py --compare fused`). The C++ entry point runs
+the same kernels in the same order, so the output is bitwise the per-layer
+path's; only the calls between them leave Python.
 
 It applies to decode-only steps of one pool with float32 weights, pool and
 activations, every kernel built, and at most `SMALL_TOKENS` rows (the few-token
@@ -26,7 +27,7 @@ from kvfence.model.attention import AttentionBackend, AttentionPlan, CPUAttentio
 from kvfence.model.config import ModelConfig
 from kvfence.model.linear_cpu import SMALL_TOKENS, CPULinear
 from kvfence.model.paged_cpu import library
-from kvfence.model.rows_cpu import f32_contiguous
+from kvfence.model.rows_cpu import RowOps, f32_contiguous
 
 # One layer's parameters in decode_layers.cpp's LayerWeights order (None: no bias).
 WEIGHT_NAMES = (
@@ -93,11 +94,14 @@ class FusedDecode:
     ) -> bool:
         """Every kernel built, a decode-only step in the few-token range, float32 throughout."""
         backend = model.backend
+        # Exact types: a subclass may override a kernel's call, which this path would skip.
         return (
             self._fn is not None
+            and type(model.linear) is CPULinear
             and model.linear.has_kernel
+            and type(model.linear.rows) is RowOps
             and model.linear.rows.has_kernel
-            and isinstance(backend, CPUAttention)
+            and type(backend) is CPUAttention
             and backend.kernel is not None
             and plan.decode_is_all
             and x.shape[0] <= SMALL_TOKENS
