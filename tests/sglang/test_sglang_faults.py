@@ -6,9 +6,10 @@ that has just been granted decode's pages (I7: they are inbound) parks before
 its engine writes a byte and says so with a file naming its pid; the test
 then kills or freezes exactly that process. The freeze case also holds
 decode's steps, so the late write lands after another request's KV has
-landed and before decode reads it: the order is fixed, never a race. The router runs with retries off
-so the affected request's own outcome reaches the client (with retries on it
-is re-sent to a fresh pair; that is the router's business, not a fence).
+landed and before decode reads it: the order is fixed, never a race. The
+router runs with retries off so the affected request's own outcome reaches
+the client (with retries on it is re-sent to a fresh pair; that is the
+router's business, not a fence).
 
 Each case asserts the same three things: the affected request ends with an
 error (never a short 200), every other request completes in full, and once
