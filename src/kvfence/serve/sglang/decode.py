@@ -35,7 +35,7 @@ from kvfence.faults import FaultSet
 from kvfence.kv.pool import PageHandle
 from kvfence.serve.sglang.side import PAIR_TIMEOUT_S, Cancel, PairSide, Reject, Submit
 from kvfence.serve.transfer.base import KVReceiver
-from kvfence.serve.transfer.lab_holds import StepHold
+from kvfence.serve.transfer.lab_holds import LabHold
 
 
 class DecodeSide(PairSide):
@@ -49,7 +49,7 @@ class DecodeSide(PairSide):
         receiver: KVReceiver,
         reply_addr: str,
         faults: FaultSet,
-        hold: StepHold | None = None,
+        hold: LabHold | None = None,
     ) -> None:
         super().__init__(engine.pool, reply_addr, [Failure, Abort, TransferDone])
         self.engine = engine
@@ -69,7 +69,7 @@ class DecodeSide(PairSide):
         for failure in apply_transfer_events(engine, self.receiver.poll()):
             self.transfer_failures += 1  # cancelled, refused or its sender died
             self._deliver(failure)
-        if engine.has_work and not (self.hold and self.hold.holds(bool(engine.running))):
+        if engine.has_work and not (self.hold and self.hold.holds_step(bool(engine.running))):
             engine.step()
         out = engine.drain()
         for ready in out.ready:

@@ -37,7 +37,7 @@ from kvfence.engine.prefill import OutboundTransfer, PrefillEngine
 from kvfence.kv.pool import PageHandle
 from kvfence.serve.sglang.side import PAIR_TIMEOUT_S, Cancel, PairSide, Reject, Submit
 from kvfence.serve.transfer.base import KVTransport
-from kvfence.serve.transfer.lab_holds import GrantHold
+from kvfence.serve.transfer.lab_holds import LabHold
 from kvfence.serve.transfer.senders import Senders
 
 
@@ -62,7 +62,7 @@ class PrefillSide(PairSide):
         self.pairs: dict[str, _Pair] = {}  # rooms waiting for their other half
         self.live: dict[str, tuple[Sink, RoomRegistration]] = {}  # paired rooms in the engine
         self.answered: set[str] = set()  # live rooms whose HTTP side has had its one end (I6)
-        self.senders = Senders(transport, GrantHold.from_env(os.environ))
+        self.senders = Senders(transport, LabHold.from_env(os.environ))
         self.transfer_failures = 0
         self.room_mismatches = 0
 

@@ -34,7 +34,7 @@ from kvfence.serve.sglang.routing import WorkerRouter
 from kvfence.serve.sglang.side import PairSide
 from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.thread import bind, serve_forever, url_of
-from kvfence.serve.transfer.lab_holds import StepHold
+from kvfence.serve.transfer.lab_holds import LabHold
 from kvfence.serve.transfer.registry import get_transport
 
 ANNOUNCE = "KVFENCE_SGLANG_WORKER "
@@ -70,7 +70,7 @@ def build_side(spec: SglangWorkerSpec, loaded: LoadedModel) -> PairSide:
     pool = transport.create_pool(geometry, config.decode_pages, scrub=config.scrub, faults=faults)
     receiver = transport.receiver(pool)
     decode = DecodeEngine(loaded.model, pool, config, faults, inbound=receiver)
-    hold = StepHold.from_env(os.environ)
+    hold = LabHold.from_env(os.environ)
     return DecodeSide(decode, receiver, f"tcp://{w.kv_host}:0", faults, hold)
 
 

@@ -29,21 +29,18 @@ HOLD_ENV = "KVFENCE_LAB_HOLD_GRANTED"  # a folder; unset outside the faults test
 POLL_S = 0.01
 
 
-def _folder(env: Mapping[str, str]) -> Path | None:
-    folder = env.get(HOLD_ENV, "")
-    return Path(folder) if folder else None
-
-
 @dataclass(frozen=True, slots=True)
-class GrantHold:
-    """Prefill's hold: park a granted in-place transfer before its first byte."""
+class LabHold:
+    """Both workers' holds, in the one folder `KVFENCE_LAB_HOLD_GRANTED` names."""
 
     folder: Path
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> GrantHold | None:
-        folder = _folder(env)
-        return cls(folder) if folder else None
+    def from_env(cls, env: Mapping[str, str]) -> LabHold | None:
+        folder = env.get(HOLD_ENV, "")
+        return cls(Path(folder)) if folder else None
+
+    # ---- prefill: park a granted in-place transfer before its first byte ---------------------
 
     def wait(self, room: str) -> bool:
         """Whether the transfer was held (then `sent` reports how it ended)."""
@@ -59,19 +56,9 @@ class GrantHold:
         """The transfer ended: "ok" (every byte written, the end sent) or why not."""
         (self.folder / f"sent-{os.getpid()}-{room}").write_text(outcome)
 
+    # ---- decode: no step over rows ready to decode while `hold-decode` exists ----------------
 
-@dataclass(frozen=True, slots=True)
-class StepHold:
-    """Decode's hold: no step over rows that are ready to decode while `hold-decode` exists."""
-
-    folder: Path
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> StepHold | None:
-        folder = _folder(env)
-        return cls(folder) if folder else None
-
-    def holds(self, decoding: bool) -> bool:
+    def holds_step(self, decoding: bool) -> bool:
         """Whether to skip this step; sleeps one poll when it does, so the loop does not spin."""
         if not decoding or not (self.folder / "hold-decode").exists():
             return False

@@ -11,11 +11,11 @@ from kvfence.serve.transfer.base import (
     TransferRefused,
     TransportClosed,
 )
-from kvfence.serve.transfer.lab_holds import GrantHold
+from kvfence.serve.transfer.lab_holds import LabHold
 
 
 class Senders:
-    def __init__(self, transport: KVTransport, hold: GrantHold | None = None) -> None:
+    def __init__(self, transport: KVTransport, hold: LabHold | None = None) -> None:
         self.transport = transport
         self.hold = hold
         self._open: dict[str, KVSender] = {}
@@ -44,15 +44,15 @@ class Senders:
             return
         out = sender.prepare(transfer, pool)
         sender.begin(out)  # granted: from here the transfer is in flight (I7)
-        if not self.hold.wait(transfer.room):
-            sender.complete(out)
-            return
+        held = self.hold.wait(transfer.room)
         try:
             sender.complete(out)
         except Exception as e:
-            self.hold.sent(transfer.room, f"failed: {e}")
+            if held:
+                self.hold.sent(transfer.room, f"failed: {e}")
             raise
-        self.hold.sent(transfer.room, "ok")
+        if held:
+            self.hold.sent(transfer.room, "ok")
 
     def close(self) -> None:
         for sender in self._open.values():
