@@ -25,8 +25,10 @@ With `--compare ledger`: the same decode steps with the I1 ledger check on
 few-token linear kernel vs torch's linear (both layer by layer); `--compare fused`:
 a decode step's layers in one kernel call vs one call per kernel. At each `--levels` row count the
 two alternate `--repeats` times (order flipped each repeat), medians compared.
-Beside it, far less sensitive to machine load: the I1 checks' own time (`_check_slots` + `KVPool.verify`)
-as a share of each production step, timed inside the same steps:
+Beside it, far less sensitive to machine load: the I1 checks' own time (the kernel's
+`StepChecks.passes`, and `check_step` where the reference runs; both include marking the
+step's writes, which runs either way) as a share of each production step, timed inside the same
+steps:
 
   engine_compare preset=... rows=... ledger_step_ms=... no-ledger_step_ms=...
   step_ratio_ledger/no-ledger=... (cost_of_ledger=...%) i1_checks_share_of_step=...%
@@ -59,9 +61,9 @@ from kvfence.engine.config import EngineConfig
 from kvfence.engine.messages import Failure, SamplingParams
 from kvfence.engine.pipeline import CollectingSink, LocalPipeline
 from kvfence.faults import Fault, FaultSet
-from kvfence.kv.pool import KVPool
 from kvfence.model.linear_cpu import CPULinear
 from kvfence.model.loader import load_model
+from kvfence.model.step_checks import StepChecks
 from kvfence.model.tiny import make_tiny_checkpoint
 from kvfence.serve.transfer.link import inprocess_link
 
@@ -198,7 +200,7 @@ class _Steps:
 
 
 class _I1Clock:
-    """Seconds spent in the I1 checks (`_check_slots` and `KVPool.verify`) while installed."""
+    """Seconds spent in the I1 checks (`StepChecks.passes`, `check_step`) while installed."""
 
     def __init__(self) -> None:
         self.s = 0.0
@@ -216,14 +218,14 @@ class _I1Clock:
 
 @contextlib.contextmanager
 def i1_clock(clock: _I1Clock) -> Iterator[None]:
-    check, verify = attention_module._check_slots, KVPool.verify
-    attention_module._check_slots = clock.wrap(check)
-    KVPool.verify = clock.wrap(verify)  # type: ignore[method-assign]
+    reference, kernel = attention_module.check_step, StepChecks.passes
+    attention_module.check_step = clock.wrap(reference)
+    StepChecks.passes = clock.wrap(kernel)  # type: ignore[method-assign]
     try:
         yield
     finally:
-        attention_module._check_slots = check
-        KVPool.verify = verify  # type: ignore[method-assign]
+        attention_module.check_step = reference
+        StepChecks.passes = kernel  # type: ignore[method-assign]
 
 
 def decode_steps(

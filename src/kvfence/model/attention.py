@@ -28,6 +28,7 @@ from kvfence.model.base import ForwardBatch
 from kvfence.model.batching import rows_of_tokens
 from kvfence.model.paged_cpu import PagedDecodeKernel
 from kvfence.model.paged_cpu import load as load_kernel
+from kvfence.model.step_checks import load as load_step_checks
 
 # ---- the step prologue (I1) ---------------------------------------------------------------
 
@@ -77,14 +78,28 @@ def _mark_written(pool: KVPool, batch: ForwardBatch) -> None:
 def begin_step(pool: KVPool, batch: ForwardBatch) -> None:
     """Check writes, record them, then verify every page table once before any gather (I1).
 
+    The kernel (`model.step_checks`) makes these checks in one call; where it refuses, or
+    is not built, `check_step` (the reference) makes them again and raises the explained
+    violation.
+
     `Fault.NO_LEDGER_CHECK` removes the write check here and `pool.verify` honours it too.
     """
     if batch.slot_mapping.numel() == 0:
         raise ValueError("a forward step needs at least one new token")
-    if Fault.NO_LEDGER_CHECK not in pool.faults:
+    check = Fault.NO_LEDGER_CHECK not in pool.faults
+    fast = load_step_checks()
+    if fast is not None and fast.passes(pool, batch, check):
+        return  # every check `check_step` makes passed, in one kernel call (model.step_checks)
+    check_step(pool, batch, check)
+
+
+def check_step(pool: KVPool, batch: ForwardBatch, check: bool = True) -> None:
+    """The reference checks, as tensor ops; also what explains a refusal of the kernel's."""
+    if check:
         _check_slots(pool, batch, token_rows(batch))
     _mark_written(pool, batch)
-    pool.verify(batch.pages)
+    if check:
+        pool.verify(batch.pages)
 
 
 # ---- the one read path --------------------------------------------------------------------

@@ -39,6 +39,7 @@ SOURCES = tuple(
         "spin_pool.cpp",
         "rows.cpp",
         "decode_layers.cpp",
+        "step_checks.cpp",
     )
 )
 HEADERS = (CSRC / "spin_pool.h", CSRC / "vec.h")
