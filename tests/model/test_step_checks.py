@@ -23,7 +23,7 @@ from kvfence.model.attention import begin_step, check_step
 from kvfence.model.base import ForwardBatch
 from kvfence.model.batching import RowSpec, build_forward_batch
 from kvfence.model.config import ModelConfig
-from kvfence.model.step_checks import StepChecks
+from kvfence.model.step_checks import StepChecks, operands_fit
 from kvfence.model.step_checks import load as load_step_checks
 
 CONFIG = ModelConfig(
@@ -178,3 +178,22 @@ def test_begin_step_raises_the_references_explained_violation() -> None:
     with pytest.raises(IsolationViolation, match="owner") as refused:
         begin_step(case.pool, case.batch)
     assert refused.value.page >= 0
+
+
+def test_operands_of_other_extents_never_reach_the_kernel(kernel: StepChecks) -> None:
+    """The kernel trusts the arrays' lengths: a table, mask or row array of another extent
+    (which it would read past) goes to the reference instead."""
+    case = _case(0, "none")
+    p = case.batch.pages
+    forged = (
+        replace(p, valid=p.valid[:, :-1].contiguous()),
+        replace(p, lengths=p.lengths[:-1].clone()),
+        replace(p, readers=p.readers[:-1].clone()),
+    )
+    batches = [replace(case.batch, pages=pages) for pages in forged]
+    batches.append(replace(case.batch, query_starts=case.batch.query_starts[:-1].clone()))
+    batches.append(replace(case.batch, positions=case.batch.positions[:-1].clone()))
+    for batch in batches:
+        assert not operands_fit(case.pool, batch)
+        assert not kernel.passes(case.pool, batch)
+    assert operands_fit(case.pool, case.batch) and kernel.passes(case.pool, case.batch)

@@ -56,28 +56,44 @@ class StepChecks:
 
     def passes(self, pool: KVPool, batch: ForwardBatch, check: bool = True) -> bool:
         """`check=False` (the lab's no-ledger-check) only marks the writes, as the reference."""
-        p = batch.pages
-        flat = (p.readers, p.namespaces, p.lengths, batch.query_starts, batch.positions,
-                batch.slot_mapping, pool.owner, pool.generation, pool.written)  # fmt: skip
-        tables = (p.pages, p.generations, p.owners)
-        if not (
-            all(t.dtype == torch.int64 and t.is_contiguous() for t in flat)
-            and all(t.dtype == torch.int64 and t.dim() == 2 for t in tables)
-            and p.valid.dtype == torch.bool
-            and p.valid.is_contiguous()
-            and pool.state.dtype == torch.int8
-            and pool.state.is_contiguous()
-        ):
+        if not operands_fit(pool, batch):
             return False
+        p = batch.pages
+        tables = (p.pages, p.generations, p.owners)
+        flat = (p.readers, p.namespaces, p.lengths, batch.query_starts, batch.positions,
+                batch.slot_mapping, pool.owner, pool.generation, pool.state, pool.written)  # fmt: skip
         rows, width = p.pages.shape
         step = _Step(
             rows, width, batch.slot_mapping.numel(),
             *(t.data_ptr() for t in tables), *(s for t in tables for s in t.stride()),
-            p.valid.data_ptr(), *(t.data_ptr() for t in flat[:8]),
-            pool.state.data_ptr(), pool.written.data_ptr(),
+            p.valid.data_ptr(), *(t.data_ptr() for t in flat),
             pool.num_pages, pool.page_size, int(PageState.USED), int(check),
         )  # fmt: skip
         return bool(self._fn(ctypes.byref(step)) == 0)
+
+
+def operands_fit(pool: KVPool, batch: ForwardBatch) -> bool:
+    """The dtypes and layouts the kernel reads, and every array as long as it reads it (the
+    kernel trusts these extents); anything else goes to the reference."""
+    p = batch.pages
+    rows, width = p.pages.shape if p.pages.dim() == 2 else (-1, -1)
+    ints = (p.readers, p.namespaces, p.lengths, batch.query_starts, batch.positions,
+            batch.slot_mapping, pool.owner, pool.generation, pool.written)  # fmt: skip
+    ledger = (pool.owner, pool.generation, pool.written, pool.state)
+    return (
+        all(t.dtype == torch.int64 and t.is_contiguous() for t in ints)
+        and all(t.dtype == torch.int64 for t in (p.pages, p.generations, p.owners))
+        and all(t.shape == (rows, width) for t in (p.pages, p.generations, p.owners, p.valid))
+        and p.valid.dtype == torch.bool
+        and p.valid.is_contiguous()
+        and pool.state.dtype == torch.int8
+        and pool.state.is_contiguous()
+        and all(t.shape == (rows,) for t in (p.readers, p.namespaces, p.lengths))
+        and batch.query_starts.shape == (rows + 1,)
+        and batch.positions.dim() == 1
+        and batch.positions.shape == batch.slot_mapping.shape
+        and all(t.shape == (pool.num_pages,) for t in ledger)
+    )
 
 
 @functools.cache

@@ -61,7 +61,9 @@ static bool writes_entitled(const Step& s) {
       if (pos < 0 || pos >= s.lengths[r]) return false;
       const int64_t col = pos / ps;
       if (col >= s.width || !s.valid[r * s.width + col]) return false;
-      if (s.pages[r * s.pages_s0 + col * s.pages_s1] * ps + pos % ps != s.slots[t]) return false;
+      const int64_t page = s.pages[r * s.pages_s0 + col * s.pages_s1];
+      if (page < 0 || page >= s.num_pages) return false;  // before page * ps can overflow
+      if (page * ps + pos % ps != s.slots[t]) return false;
     }
   }
   return true;
