@@ -413,13 +413,18 @@ def _crash_plan(c: Cluster, crashes: Sequence[tuple[float, str]], busy: threadin
 
 
 def _served_since_restart(c: Cluster, name: str) -> bool:
-    """The restarted worker is live and its (new) counters show requests it carried."""
+    """The restarted worker is live and its (new) counters show requests it carried.
+
+    A prefill worker finishes nothing itself: what it carried shows as KV it transferred
+    (a decode worker's as requests it finished). Counting only finished, rejected and
+    aborted missed a prefill worker that carried 1,508 transfers and saw no abort."""
     addr = c.addr(name)
     status = c.backend.worker_status(addr)
     if status is None:
         return False
     n = status.counters
-    return addr not in c.backend.dead_workers() and n.finished + n.rejected + n.aborted > 0
+    carried = n.finished + n.rejected + n.aborted + n.transferred
+    return addr not in c.backend.dead_workers() and carried > 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
