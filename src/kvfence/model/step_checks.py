@@ -60,16 +60,21 @@ class StepChecks:
             return False
         p = batch.pages
         tables = (p.pages, p.generations, p.owners)
-        flat = (p.readers, p.namespaces, p.lengths, batch.query_starts, batch.positions,
-                batch.slot_mapping, pool.owner, pool.generation, pool.state, pool.written)  # fmt: skip
         rows, width = p.pages.shape
         step = _Step(
             rows, width, batch.slot_mapping.numel(),
             *(t.data_ptr() for t in tables), *(s for t in tables for s in t.stride()),
-            p.valid.data_ptr(), *(t.data_ptr() for t in flat),
+            p.valid.data_ptr(), *(t.data_ptr() for t in _flat(pool, batch)),
             pool.num_pages, pool.page_size, int(PageState.USED), int(check),
         )  # fmt: skip
         return bool(self._fn(ctypes.byref(step)) == 0)
+
+
+def _flat(pool: KVPool, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
+    """The 1-D arrays the kernel reads, in `_Step`'s order after `valid`."""
+    p = batch.pages
+    return (p.readers, p.namespaces, p.lengths, batch.query_starts, batch.positions,
+            batch.slot_mapping, pool.owner, pool.generation, pool.state, pool.written)  # fmt: skip
 
 
 def operands_fit(pool: KVPool, batch: ForwardBatch) -> bool:
@@ -77,17 +82,15 @@ def operands_fit(pool: KVPool, batch: ForwardBatch) -> bool:
     kernel trusts these extents); anything else goes to the reference."""
     p = batch.pages
     rows, width = p.pages.shape if p.pages.dim() == 2 else (-1, -1)
-    ints = (p.readers, p.namespaces, p.lengths, batch.query_starts, batch.positions,
-            batch.slot_mapping, pool.owner, pool.generation, pool.written)  # fmt: skip
+    flat = _flat(pool, batch)
     ledger = (pool.owner, pool.generation, pool.written, pool.state)
     return (
-        all(t.dtype == torch.int64 and t.is_contiguous() for t in ints)
+        all(t.is_contiguous() for t in (*flat, p.valid))
+        and all(t.dtype == torch.int64 for t in flat if t is not pool.state)
+        and pool.state.dtype == torch.int8
+        and p.valid.dtype == torch.bool
         and all(t.dtype == torch.int64 for t in (p.pages, p.generations, p.owners))
         and all(t.shape == (rows, width) for t in (p.pages, p.generations, p.owners, p.valid))
-        and p.valid.dtype == torch.bool
-        and p.valid.is_contiguous()
-        and pool.state.dtype == torch.int8
-        and pool.state.is_contiguous()
         and all(t.shape == (rows,) for t in (p.readers, p.namespaces, p.lengths))
         and batch.query_starts.shape == (rows + 1,)
         and batch.positions.dim() == 1
