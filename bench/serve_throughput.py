@@ -10,6 +10,9 @@ converted from it), one server at a time:
   kvfence   `kvfence serve --model DIR --no-auth` (1 GiB KV pool per role)
   kvfence-noledger  the same with `--lab-fault no-ledger-check` (the I1 checks off): the
             cost of isolation in the serving path is kvfence / kvfence-noledger (goal >= 0.99)
+  kvfence-fcfs  the same with `--prefill-order arrival` (prompts admitted first come, first
+            served, instead of shortest first): the scheduling policy's effect on TTFT and
+            throughput, same run (not in the default list)
   vLLM      CPU build, `--dtype float32`, `VLLM_CPU_OMP_THREADS_BIND=0-1`, 1 GiB KV
   llama.cpp `llama-server -t 2 -np 16 -c 16384` (1,024 tokens per slot), f32 GGUF
   kvfence-pd  kvfence's disaggregated stack: the real sglang-router (PD mode) in front of one
@@ -74,6 +77,7 @@ from kvfence.model.tiny import PRESETS, default_checkpoint_dir  # noqa: E402
 from kvfence.model.tokenizer import Tokenizer  # noqa: E402
 
 ENGINES = ("kvfence", "kvfence-noledger", "kvfence-pd", "kvfence-pd-mooncake", "vllm", "llamacpp")
+EXTRA_ENGINES = ("kvfence-fcfs",)
 PD_TRANSPORTS = {"kvfence-pd": "tcp", "kvfence-pd-mooncake": "mooncake"}
 KV_BYTES = 1 << 30  # every engine gets 1 GiB of KV (vLLM's VLLM_CPU_KVCACHE_SPACE=1)
 CONTEXT = 2048
@@ -416,6 +420,8 @@ def engine_server(
         server = start_kvfence(model_dir, log_dir, *kvfence_args)
     elif engine == "kvfence-noledger":
         server = start_kvfence(model_dir, log_dir, "--lab-fault", "no-ledger-check", *kvfence_args)
+    elif engine == "kvfence-fcfs":
+        server = start_kvfence(model_dir, log_dir, "--prefill-order", "arrival", *kvfence_args)
     elif engine == "vllm":
         server = start_vllm(
             model_dir,
@@ -481,16 +487,16 @@ def main() -> None:
         "--kvfence-arg",
         action="append",
         default=[],
-        help="an extra `kvfence serve` argument for kvfence and kvfence-noledger (repeatable), "
+        help="an extra `kvfence serve` argument for every single-process kvfence (repeatable), "
         "e.g. --kvfence-arg=--max-batch-tokens=1024",
     )
     args = ap.parse_args()
     kvfence_args = tuple(args.kvfence_arg)
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = set(engines) - set(ENGINES)
+    unknown = set(engines) - set(ENGINES + EXTRA_ENGINES)
     if unknown:
-        ap.error(f"unknown engines {sorted(unknown)}; choose from {ENGINES}")
+        ap.error(f"unknown engines {sorted(unknown)}; choose from {ENGINES + EXTRA_ENGINES}")
     quick, full = (args.requests or 16, 32, 128, 16), (args.requests or 64, 64, 512, 64)
     sizes = quick if args.quick else full
     levels = tuple(int(c) for c in args.levels.split(","))
@@ -538,6 +544,8 @@ def main() -> None:
             parts.append(f"kvfence/vllm={ratio(kv, figures.get('vllm'))}")
             parts.append(f"kvfence/llamacpp={ratio(kv, figures.get('llamacpp'))}")
             parts.append(f"isolation_cost=1-{ratio(kv, figures.get('kvfence-noledger'))}")
+            if "kvfence-fcfs" in figures:
+                parts.append(f"kvfence/kvfence-fcfs={ratio(kv, figures['kvfence-fcfs'])}")
             for pd in PD_TRANSPORTS:
                 if pd in figures:
                     parts.append(f"{pd}/kvfence={ratio(figures[pd], kv)}")

@@ -109,9 +109,9 @@ def assert_abort_at_stage_leaves_ledger_clean(models: Models, stage: str) -> Non
         pipe.pump()
         assert [s.req.rid for s in pipe.decode.queued] == ["v"]
     elif stage == "prefill-queue":
-        b_sink, v_sink = submit(
-            pipe, [work("b", "t", blocker, greedy(4)), work("v", "u", victim[:30], greedy(4))]
-        )
+        (b_sink,) = submit(pipe, [work("b", "t", blocker, greedy(4))])
+        pipe.pump()  # the blocker holds every prefill page
+        (v_sink,) = submit(pipe, [work("v", "u", victim[:30], greedy(4))])
         pipe.pump()
         assert pipe.prefill.seqs["v"].req.state is RequestState.WAITING
     elif stage == "mid-prefill":

@@ -191,3 +191,36 @@ def test_the_step_budget_reaches_every_engine_a_serve_command_builds(
     assert engine_config(spec, parts.loaded).max_batch_tokens == 64
     args = worker_args(params, FaultSet(), ckpt)
     assert args[args.index("--max-batch-tokens") + 1] == "64"
+
+
+def test_the_prefill_order_reaches_every_engine_a_serve_command_builds(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """`--prefill-order`: the single-process engine, the hub's workers, SGLang's workers."""
+    import click
+
+    from kvfence.engine.prefill_order import PrefillOrder
+    from kvfence.faults import FaultSet
+    from kvfence.model.tiny import make_tiny_checkpoint
+    from kvfence.serve.build import PoolSizes, build_local
+    from kvfence.serve.cli import serve
+    from kvfence.serve.pd.cli import worker_spec
+    from kvfence.serve.pd.workers import engine_config
+    from kvfence.serve.sglang.cli import worker_args
+
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("order") / "t")
+    default = serve.make_context("serve", []).params["prefill_order"]
+    assert default == EngineConfig(prefill_pages=1, decode_pages=1).prefill_order.value
+    params = serve.make_context("serve", ["--prefill-order", "arrival"]).params
+    with pytest.raises(click.BadParameter, match="shortest") as bad:
+        serve.make_context("serve", ["--prefill-order", "longest"])
+    assert bad.value.param is not None and bad.value.param.name == "prefill_order"
+
+    parts = build_local(
+        ckpt, kind="mirror", pools=PoolSizes(64, 64), prefill_order=PrefillOrder.ARRIVAL
+    )
+    assert parts.pipeline.config.prefill_order is PrefillOrder.ARRIVAL
+    spec = worker_spec(params | {"kv_pages": "64"}, FaultSet(), ckpt, "prefill", "-", "-")
+    assert engine_config(spec, parts.loaded).prefill_order is PrefillOrder.ARRIVAL
+    args = worker_args(params, FaultSet(), ckpt)
+    assert args[args.index("--prefill-order") + 1] == "arrival"

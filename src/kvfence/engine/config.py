@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from kvfence.engine.prefill_order import PrefillOrder
 from kvfence.kv.scrub import ScrubPolicy
 
 
@@ -26,6 +27,9 @@ class EngineConfig:
     max_batch_tokens: new tokens one prefill step may compute (the step budget).
     chunk_size: the most tokens of one prompt computed in one step; longer
     prompts are prefilled in chunks (None = max_batch_tokens).
+    prefill_order: the order waiting prompts are admitted in: shortest first
+    (the default; no prompt is overtaken by more than max_overtakes later
+    arrivals; 0 is arrival order) or arrival order (`engine/prefill_order.py`).
     max_running: decode rows per step.
     context_length: prompt + output tokens one request may reach.
     shared_prefix_namespace: the operator's explicit opt-in to cross-tenant
@@ -40,8 +44,10 @@ class EngineConfig:
     prefill_pages: int
     decode_pages: int
     page_size: int = 16
-    max_batch_tokens: int = 2048
+    max_batch_tokens: int = 512
     chunk_size: int | None = None
+    prefill_order: PrefillOrder = PrefillOrder.SHORTEST
+    max_overtakes: int = 16
     max_running: int = 64
     context_length: int = 4096
     scrub: ScrubPolicy = ScrubPolicy.NONE
@@ -60,6 +66,14 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.max_overtakes, int) or self.max_overtakes < 0:
+            raise ValueError(
+                f"EngineConfig.max_overtakes must be an integer >= 0, got {self.max_overtakes!r}"
+            )
+        if not isinstance(self.prefill_order, PrefillOrder):
+            raise ValueError(
+                f"EngineConfig.prefill_order must be a PrefillOrder, got {self.prefill_order!r}"
+            )
         if self.chunk_size is not None and not 0 < self.chunk_size <= self.max_batch_tokens:
             raise ValueError(
                 f"EngineConfig.chunk_size must be in [1, max_batch_tokens={self.max_batch_tokens}], "

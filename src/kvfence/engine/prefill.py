@@ -16,6 +16,7 @@ sent for a reservation that expects many.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -24,6 +25,7 @@ from kvfence.engine.config import EngineConfig
 from kvfence.engine.counters import Counters
 from kvfence.engine.messages import Abort, Failure, PrefillWork, TransferDone
 from kvfence.engine.outbound import OutboundTransfer
+from kvfence.engine.prefill_order import admission_order, note_admitted
 from kvfence.engine.prefill_pages import allocate, cache_full_pages
 from kvfence.engine.prefill_seq import PrefillOutput, PrefillSeq, PrefillStep
 from kvfence.engine.prefix_cache import PrefixCache
@@ -69,6 +71,7 @@ class PrefillEngine:
         self.seqs: dict[str, PrefillSeq] = {}
         self.counters = Counters()
         self._out = PrefillOutput()
+        self._arrivals = itertools.count()
 
     # ---- inputs -------------------------------------------------------------------------
 
@@ -86,6 +89,7 @@ class PrefillEngine:
             namespace=namespace,
             ns_owner=self.cache.owner_for(namespace),
             input_ids=work.prompt_ids,
+            arrival=next(self._arrivals),
         )
         self.seqs[work.room] = seq
         self.waiting.append(seq)
@@ -128,11 +132,11 @@ class PrefillEngine:
             return True
         if not self.waiting:
             return False
-        head = self.waiting[0]
-        n = len(head.input_ids)
-        if not self._admissible(head) or n > self.pool.capacity_tokens:
+        cap = self.pool.capacity_tokens
+        if any(not self._admissible(s) or len(s.input_ids) > cap for s in self.waiting):
             return True  # the step drops or rejects it
-        need = self.pool.geometry.pages_for(n)
+        head = self._admission_order()[0]
+        need = self.pool.geometry.pages_for(len(head.input_ids))
         return need <= self.pool.num_free + self.cache.num_evictable
 
     def drain(self) -> PrefillOutput:
@@ -149,8 +153,16 @@ class PrefillEngine:
         """Running prompts' next chunks, then new prompts, within `budget` new tokens
         (default `max_batch_tokens`); None when nothing can run."""
         budget = self.config.max_batch_tokens if budget is None else budget
-        plan = self._schedule_running(budget)
+        # Fairness: a prompt from a tenant with nothing in prefill goes first, alone, for one
+        # step, so a short prompt never waits behind another tenant's long chunks; each such
+        # arrival delays the running chunks by one step at most (no starvation). When it cannot
+        # get its pages, which the running prompts may hold, they run after all (no livelock).
+        busy = {seq.req.tenant for seq in self.running}
+        newcomer = any(seq.req.tenant not in busy for seq in self.waiting)
+        plan = [] if newcomer else self._schedule_running(budget)
         plan += self._admit(budget - sum(n for _, n in plan))
+        if newcomer and not plan:
+            plan = self._schedule_running(budget)
         if not plan:
             return None
         now = time.perf_counter()  # a prompt's prefill time runs from its first step (signal 3)
@@ -171,12 +183,7 @@ class PrefillEngine:
     def _schedule_running(self, budget: int) -> list[tuple[PrefillSeq, int]]:
         """The next chunk of every running prompt, oldest first, while the budget lasts."""
         plan: list[tuple[PrefillSeq, int]] = []
-        # Fairness: a prompt from a tenant with nothing in prefill goes first, alone, for one
-        # step, so a short prompt never waits behind another tenant's long chunks; each such
-        # arrival delays the running chunks by one step at most (no starvation).
-        busy = {seq.req.tenant for seq in self.running}
-        newcomer = any(seq.req.tenant not in busy for seq in self.waiting)
-        for seq in () if newcomer else self.running:
+        for seq in self.running:
             if budget == 0:
                 break
             n = min(seq.remaining, self.config.step_chunk, budget)
@@ -185,22 +192,28 @@ class PrefillEngine:
         return plan
 
     def _admit(self, budget: int) -> list[tuple[PrefillSeq, int]]:
-        """Waiting prompts, in order, that get all their pages now; the first that cannot waits."""
-        plan: list[tuple[PrefillSeq, int]] = []
-        while budget > 0 and self.waiting:
-            seq = self.waiting[0]
+        """Waiting prompts, in admission order, that get all their pages now; the first that
+        cannot waits, and so does everything after it (no prompt passes one waiting for pages)."""
+        for seq in list(self.waiting):
             if not self._admissible(seq) or not self._check_capacity(seq):
-                self.waiting.popleft()  # aborted while queued, or rejected: nothing allocated
-                continue
+                self.waiting.remove(seq)  # aborted while queued, or rejected: nothing allocated
+        plan: list[tuple[PrefillSeq, int]] = []
+        for seq in self._admission_order():
+            if budget == 0:
+                break
             if not allocate(self.pool, self.cache, seq):
                 break  # clean queuing: wait for pages, never a partial allocation
-            self.waiting.popleft()
+            self.waiting.remove(seq)
+            note_admitted(self.waiting, seq)
             seq.req.advance(RequestState.PREFILLING)
             self.running.append(seq)
             n = min(seq.remaining, self.config.step_chunk, budget)
             plan.append((seq, n))
             budget -= n
         return plan
+
+    def _admission_order(self) -> list[PrefillSeq]:
+        return admission_order(self.waiting, self.config.prefill_order, self.config.max_overtakes)
 
     def _admissible(self, seq: PrefillSeq) -> bool:
         if Fault.ABORT_NOT_TERMINAL in self.faults:

@@ -31,6 +31,8 @@ class PrefillSeq:
     namespace: str  # resolved prefix-cache namespace (I8)
     ns_owner: int  # pool owner id of that namespace
     input_ids: tuple[int, ...]  # what is computed: the prompt (or the lab's placeholder)
+    arrival: int = 0  # submission order, for admission (`prefill_order`)
+    overtaken: int = 0  # later arrivals admitted while this one waited
     pages: list[PageHandle] = field(default_factory=list)  # covers input_ids, in order
     own_pages: list[PageHandle] = field(default_factory=list)  # released by this request
     cache_keys: list[int] = field(default_factory=list)  # cache references held

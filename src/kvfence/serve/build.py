@@ -14,6 +14,7 @@ from pathlib import Path
 
 from kvfence.engine.config import EngineConfig, default_of
 from kvfence.engine.pipeline import LocalPipeline
+from kvfence.engine.prefill_order import PrefillOrder
 from kvfence.engine.sizing import DEFAULT_HEADROOM
 from kvfence.faults import FaultSet
 from kvfence.kv.geometry import KVGeometry
@@ -44,6 +45,7 @@ def build_local(
     pools: PoolSizes | None = None,
     page_size: int = default_of(EngineConfig, "page_size"),
     max_batch_tokens: int = default_of(EngineConfig, "max_batch_tokens"),
+    prefill_order: PrefillOrder = PrefillOrder.SHORTEST,
     scrub: ScrubPolicy = ScrubPolicy.NONE,
     faults: FaultSet | None = None,
     prefix_cache: bool = True,
@@ -67,6 +69,7 @@ def build_local(
         decode_pages=decode.pages,
         page_size=page_size,
         max_batch_tokens=max_batch_tokens,
+        prefill_order=prefill_order,
         context_length=ctx,
         scrub=scrub,
         prefix_cache=prefix_cache,

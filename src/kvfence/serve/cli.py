@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from kvfence.engine.config import EngineConfig, default_of
+from kvfence.engine.prefill_order import PrefillOrder
 from kvfence.engine.sizing import DEFAULT_HEADROOM, CapacityGateError
 from kvfence.faults import FaultSet
 from kvfence.kv.scrub import ScrubPolicy
@@ -100,6 +101,14 @@ EXIT_GATE = 1
     show_default=True,
     help="the step budget: new tokens one engine step computes (decode's first, then prompt "
     "chunks); smaller answers first tokens sooner, larger packs prefill tighter",
+)
+@click.option(
+    "--prefill-order",
+    type=click.Choice([o.value for o in PrefillOrder]),
+    default=default_of(EngineConfig, "prefill_order").value,
+    show_default=True,
+    help="the order waiting prompts are admitted in: shortest first (no prompt is overtaken "
+    "by more than 16 later arrivals) or arrival order",
 )
 @click.option(
     "--scrub",
@@ -210,6 +219,7 @@ def serve(
     kv_memory_fraction: float,
     page_size: int,
     max_batch_tokens: int,
+    prefill_order: str,
     scrub: str,
     no_prefix_cache: bool,
     shared_prefix_cache: bool,
@@ -308,6 +318,7 @@ def _build_local(
             pools=PoolSizes(*sizes),
             page_size=params["page_size"],
             max_batch_tokens=params["max_batch_tokens"],
+            prefill_order=PrefillOrder(params["prefill_order"]),
             scrub=ScrubPolicy(params["scrub"]),
             faults=faults,
             prefix_cache=not params["no_prefix_cache"],

@@ -178,6 +178,7 @@ def worker_spec(
         kv_memory_fraction=params["kv_memory_fraction"],
         page_size=params["page_size"],
         max_batch_tokens=params["max_batch_tokens"],
+        prefill_order=params["prefill_order"],
         context_length=params["context_length"],
         scrub=params["scrub"],
         prefix_cache=not params["no_prefix_cache"],

@@ -19,6 +19,7 @@ from typing import TypeVar
 
 from kvfence.engine.config import EngineConfig, default_of
 from kvfence.engine.messages import build_checked
+from kvfence.engine.prefill_order import PrefillOrder
 from kvfence.faults import FaultSet
 from kvfence.kv.scrub import ScrubPolicy
 from kvfence.model.config import ModelConfig
@@ -46,6 +47,7 @@ class WorkerSpec:
     kv_memory_fraction: float = DEFAULT_KV_FRACTION
     page_size: int = default_of(EngineConfig, "page_size")
     max_batch_tokens: int = default_of(EngineConfig, "max_batch_tokens")  # the step budget
+    prefill_order: str = default_of(EngineConfig, "prefill_order").value  # a PrefillOrder value
     context_length: int | None = None
     scrub: str = ScrubPolicy.NONE.value
     prefix_cache: bool = True
@@ -62,6 +64,11 @@ class WorkerSpec:
             raise ValueError(
                 f"a cross-process transport is one of {', '.join(CROSS_PROCESS)}, "
                 f"got {self.transport!r}"
+            )
+        if self.prefill_order not in {o.value for o in PrefillOrder}:
+            raise ValueError(
+                f"prefill_order is one of {', '.join(o.value for o in PrefillOrder)}, "
+                f"got {self.prefill_order!r}"
             )
         if self.torch_threads < 0:
             raise ValueError(f"torch_threads must be >= 0, got {self.torch_threads}")

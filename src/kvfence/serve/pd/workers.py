@@ -42,6 +42,7 @@ from kvfence.engine.messages import (
     WorkerStatus,
 )
 from kvfence.engine.prefill import OutboundTransfer, PrefillEngine
+from kvfence.engine.prefill_order import PrefillOrder
 from kvfence.faults import FaultSet
 from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import KVPool, PageHandle, ScrubPolicy
@@ -80,6 +81,7 @@ def engine_config(spec: WorkerSpec, loaded: LoadedModel) -> EngineConfig:
         decode_pages=pages if spec.role == "decode" else 1,
         page_size=spec.page_size,
         max_batch_tokens=spec.max_batch_tokens,
+        prefill_order=PrefillOrder(spec.prefill_order),
         context_length=ctx,
         scrub=ScrubPolicy(spec.scrub),
         prefix_cache=spec.prefix_cache,

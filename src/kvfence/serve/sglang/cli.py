@@ -42,6 +42,7 @@ _SHARED = (
     "kv_memory_fraction",
     "page_size",
     "max_batch_tokens",
+    "prefill_order",
     "scrub",
     "transport",
     "log_level",
