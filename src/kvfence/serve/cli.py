@@ -108,7 +108,7 @@ EXIT_GATE = 1
     default=default_of(EngineConfig, "prefill_order").value,
     show_default=True,
     help="the order waiting prompts are admitted in: shortest first (no prompt is overtaken "
-    "by more than 16 later arrivals) or arrival order",
+    f"by more than {default_of(EngineConfig, 'max_overtakes')} later arrivals) or arrival order",
 )
 @click.option(
     "--scrub",
