@@ -28,8 +28,9 @@ class EngineConfig:
     chunk_size: the most tokens of one prompt computed in one step; longer
     prompts are prefilled in chunks (None = max_batch_tokens).
     prefill_order: the order waiting prompts are admitted in: shortest first
-    (the default; no prompt is overtaken by more than max_overtakes later
-    arrivals; 0 is arrival order) or arrival order (`engine/prefill_order.py`).
+    (the default) or arrival order (`engine/prefill_order.py`).
+    max_overtakes: under shortest first, no prompt is overtaken by more than
+    this many later arrivals (0 makes it arrival order).
     max_running: decode rows per step.
     context_length: prompt + output tokens one request may reach.
     shared_prefix_namespace: the operator's explicit opt-in to cross-tenant
