@@ -36,9 +36,9 @@ class PrefillOrder(enum.Enum):
 def admission_order(
     waiting: Iterable[PrefillSeq], order: PrefillOrder, max_overtakes: int
 ) -> list[PrefillSeq]:
-    """The waiting prompts in the order admission tries them."""
+    """The waiting prompts (kept in arrival order) in the order admission tries them."""
     if order is PrefillOrder.ARRIVAL:
-        return sorted(waiting, key=lambda s: s.arrival)
+        return list(waiting)
 
     def key(seq: PrefillSeq) -> tuple[int, int, int]:
         if seq.overtaken >= max_overtakes:
