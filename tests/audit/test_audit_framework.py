@@ -117,6 +117,18 @@ def test_fragments_cover_every_four_token_run() -> None:
     assert "Q7ZP-3MX" in fragments_from_chars("KVF-Q7ZP-3MX")
 
 
+def test_a_fragment_of_digits_alone_is_not_a_leak() -> None:
+    # Digit-by-digit tokens: the all-digit group 4821 is a 4-token run of its own.
+    pieces = ["KV", "F-", "4", "8", "2", "1", "-Q", "7Z"]
+    frags = fragments_from_pieces(pieces)
+    assert "4821" not in frags and "F-4821" in frags
+    planted = Planted("KVF-4821-Q7Z", frags, 10)
+    assert find_leak('{"error": "seq 1948210337 gen 6"}', planted) is None
+    assert find_leak("xx 4821-Q7Z yy", planted) == "4821-Q7Z"
+    assert "4821-Q7Z" in fragments_from_chars("KVF-4821-Q7Z")
+    assert all(any(c.isalpha() for c in f) for f in fragments_from_chars("KVF-4821-9306"))
+
+
 def test_prometheus_parser_handles_labels_and_comments() -> None:
     text = '# HELP x y\nfoo{a="1",b="two words"} 3.5\nbar 2\nbad line\n'
     samples = parse_prometheus(text)

@@ -34,7 +34,7 @@ from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.thread import ServerThread
 
 SCALE = Scale()
-SENTINEL = "ZQX4071993"  # tenant A's secret; fixed so a failure message shows what leaked
+SENTINEL = "ZQXHWKRDPM"  # tenant A's secret; fixed so a failure message shows what leaked
 A_TOKENS = int(SCALE.prefill_pool_tokens * 0.8)  # fits the prefill pool
 B_TOKENS = (SCALE.prefill_pool_tokens + SCALE.context_length) // 2  # > pool, < context
 B_MAX_TOKENS = SCALE.page_size * 4

@@ -47,7 +47,7 @@ def test_replay_command_output(lab_checkpoint: Path) -> None:
         env={"COLUMNS": "400"},
     )
     assert result.exit_code == 0, result.output
-    sentinel = re.search(r"A's sentinel\s*│\s*(ZQX\d+)", result.output)
+    sentinel = re.search(r"A's sentinel\s*│\s*(ZQX[A-Z]+)", result.output)
     assert sentinel is not None, result.output
     rows = {
         line.split("│")[1].strip(): line.split("│")[2:4]

@@ -115,7 +115,7 @@ class Incident:
 
 def incident(fleet: Fleet) -> Incident:
     """lab/scenario.py through the router: A's sentinel traffic, then B's over-pool prompt."""
-    sentinel = "ZQX4817263"
+    sentinel = "ZQXTBNVLQJ"
     pool = SCALE.prefill_pool_tokens
     a_prompt = text_of(fleet.tokenizer, f"{sentinel} invoice ", int(pool * 0.8))
     b_prompt = text_of(fleet.tokenizer, "weather report ", (pool + SCALE.context_length) // 2)

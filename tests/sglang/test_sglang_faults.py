@@ -42,7 +42,7 @@ from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.transfer.lab_holds import HOLD_ENV
 
 pytestmark = pytest.mark.slow
-SENTINEL = "ZQX4817263"
+SENTINEL = "ZQXTBNVLQJ"
 HALF = 150  # prompt and max_tokens: together within the per-request limit (336)
 
 

@@ -44,8 +44,18 @@ class Observed:
 
 
 def _unique(fragment: str) -> bool:
-    """A fragment must carry part of the random groups: the shared 'KVF-' prefix proves nothing."""
-    return len(fragment) >= MIN_FRAGMENT_TOKENS and fragment not in SENTINEL_PREFIX
+    """A fragment must carry part of the random groups and a letter.
+
+    The shared 'KVF-' prefix proves nothing, and neither do digits alone: a
+    group can come out all digits (KVF-4821-...), and tokenizers that split
+    numbers digit by digit make it four tokens that any id or count in an
+    engine's body can contain by chance.
+    """
+    return (
+        len(fragment) >= MIN_FRAGMENT_TOKENS
+        and fragment not in SENTINEL_PREFIX
+        and any(c.isalpha() for c in fragment)
+    )
 
 
 def fragments_from_pieces(pieces: list[str], n: int = MIN_FRAGMENT_TOKENS) -> list[str]:

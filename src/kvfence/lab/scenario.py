@@ -36,6 +36,8 @@ TENANT_A, TENANT_B = "tenant-a", "tenant-b"
 OPERATOR = "operator"  # the key in `LabServer.keys` that reads operator data
 DEFAULT_SCALE = Scale()
 FRAGMENT_TOKENS = 4  # a run of this many of a sentinel's tokens in B's body counts as a leak
+SENTINEL_PREFIX = "ZQX"
+SENTINEL_LETTERS = 7  # random capitals after the prefix: 26**7 sentinels, none made of digits
 
 
 class Outcome(enum.Enum):
@@ -159,7 +161,7 @@ def run_incident(
 ) -> ScenarioResult:
     """A's sentinel-carrying traffic, then B's over-long prompt; B's answer read as a client would."""
     rng = secrets.SystemRandom() if seed is None else _Seeded(seed)
-    sentinel = f"ZQX{rng.randrange(10**6, 10**7)}"
+    sentinel = make_sentinel(rng)
     with server(checkpoint, faults, model_kind=model_kind, scale=scale, profile=profile) as srv:
         a_len = int(scale.prefill_pool_tokens * 0.8)  # fits the pool: A is served normally
         b_len = (scale.prefill_pool_tokens + scale.context_length) // 2  # > pool, < context
@@ -173,15 +175,31 @@ def run_incident(
     return ScenarioResult(faults, model_kind, sentinel, a, b, fragment, info)
 
 
+def make_sentinel(rng: _Rng) -> str:
+    """Tenant A's secret: the prefix and random capitals (e.g. ZQXKWHTRPB).
+
+    Capitals, not digits: an error body carries the engine's own decimal ids
+    (sequence ids, generations, counts), and a 4-digit run of a numeric
+    sentinel turns up in one of them by chance, a leak that never happened.
+    """
+    return SENTINEL_PREFIX + "".join(
+        chr(ord("A") + rng.randrange(0, 26)) for _ in range(SENTINEL_LETTERS)
+    )
+
+
 def find_leak(b: Exchange, sentinel: str, tokenizer: Tokenizer) -> str | None:
-    """A's sentinel in B's body: verbatim, or any run of FRAGMENT_TOKENS of its tokens."""
+    """A's sentinel in B's body: verbatim, or any run of FRAGMENT_TOKENS of its tokens.
+
+    A run must hold a letter: digits and punctuation alone are in every body
+    (ids, counts), so they prove nothing about where they came from.
+    """
     body = b.text
     if sentinel in body:
         return sentinel
     ids = tokenizer.encode(sentinel)
     for i in range(len(ids) - FRAGMENT_TOKENS + 1):
         piece = tokenizer.decode(ids[i : i + FRAGMENT_TOKENS])
-        if piece.strip() and piece in body:
+        if any(c.isalpha() for c in piece) and piece in body:
             return piece
     return None
 
@@ -224,6 +242,10 @@ def _complete(
 
 def _auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
+
+
+class _Rng(Protocol):
+    def randrange(self, a: int, b: int) -> int: ...
 
 
 class _Seeded:
