@@ -194,10 +194,14 @@ def test_malformed_control_message_is_refused_not_fatal(pd_checkpoint: Path) -> 
         assert status is not None and status.refused_messages == 3
 
 
-def _running(pattern: str) -> int:
-    """How many processes have `pattern` in their command line."""
+def _pids(pattern: str) -> list[int]:
+    """The processes with `pattern` in their command line."""
     out = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout
-    return len(out.split())
+    return [int(pid) for pid in out.split()]
+
+
+def _running(pattern: str) -> int:
+    return len(_pids(pattern))
 
 
 def _ignore_sigint() -> None:
@@ -259,13 +263,73 @@ def test_serve_disaggregated_command(pd_checkpoint: Path, tmp_path: Path) -> Non
             f"{url}/server_info", headers={"Authorization": f"Bearer {key}"}, timeout=30
         ).json()
         assert info["disaggregated"] and info["transport"] == "shm"
-        assert _running(f"kvfence.serve.pd.worker_entry {tmp_path}") == 2  # prefill + decode
+        # The worker group and the two workers it forked (they keep its command line; their
+        # process names tell them apart), not fresh interpreters: torch was imported once.
+        group = _pids(f"kvfence.serve.pd.worker_group {tmp_path}")
+        assert len(group) == 3, group
+        names = sorted(Path(f"/proc/{pid}/comm").read_text().strip() for pid in group)
+        assert names == ["kvf-decode-0", "kvf-prefill-0", "python"], names
+        assert _running(f"kvfence.serve.pd.worker_entry {tmp_path}") == 0
         assert _running(f"kvfence.serve.pd.router_entry {tmp_path}") == 1
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     assert "stopping" in out
     assert _running(f"--model {pd_checkpoint}") == 0
+    assert _running(str(tmp_path)) == 0
+
+
+def _worker_pid(tmp_path: Path, name: str) -> int:
+    """The pid of the worker `name` (prefill-0) under the supervisor whose specs are in tmp_path."""
+    for pid in _pids(f"kvfence.serve.pd.worker_group {tmp_path}"):
+        if Path(f"/proc/{pid}/comm").read_text().strip() == f"kvf-{name}":
+            return pid
+    raise AssertionError(f"no process named kvf-{name}")
+
+
+def test_a_forked_worker_killed_stops_every_role_and_is_named(
+    pd_checkpoint: Path, tmp_path: Path
+) -> None:
+    """kill -9 of the forked prefill worker: the group names it, stops decode, and the
+    supervisor stops the router; nothing with the spec folder in its command line is left."""
+    args = ["--disaggregated", "--router", "kvfence", "--model", str(pd_checkpoint)]
+    args += ["--model-kind", "mirror", "--kv-pages", "512"]
+    proc, text = _serve_announced(args, env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        assert "try: curl" in text, text
+        os.kill(_worker_pid(tmp_path, "prefill-0"), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode != 0, out
+    assert "prefill-0 exited with code 137; stopping the other workers" in out, out
+    assert "workers exited with code 137" in out, out
+    assert _running(str(tmp_path)) == 0
+
+
+def test_workers_start_as_interpreters_when_the_group_cannot_fork_safely(
+    pd_checkpoint: Path, tmp_path: Path
+) -> None:
+    """A thread in the group (here numpy's OpenBLAS server, asked for) means no fork: each
+    worker starts as its own interpreter, as before the group, and serves the same."""
+    args = ["--disaggregated", "--router", "kvfence", "--no-auth", "--port", "0"]
+    args += ["--model", str(pd_checkpoint), "--model-kind", "mirror", "--kv-pages", "512"]
+    env = {**os.environ, "TMPDIR": str(tmp_path), "OPENBLAS_NUM_THREADS": "2"}
+    proc, text = _serve_announced(args, env=env)
+    try:
+        url = re.search(r"at (http://\S+)", text)
+        assert url is not None, text
+        assert "cannot fork safely" in text, text
+        assert _running(f"kvfence.serve.pd.worker_entry {tmp_path}") == 2
+        body = {"prompt": "hello group", "max_tokens": 8, "temperature": 0}
+        r = httpx.post(f"{url.group(1)}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("hello group")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert "stopping" in out
     assert _running(str(tmp_path)) == 0
 
 

@@ -82,3 +82,18 @@ def test_the_worker_entry_exits_2_on_a_bad_spec_before_loading_a_model(tmp_path:
     )
     assert out.returncode == 2
     assert "bad worker spec" in out.stderr and "'nobody'" in out.stderr
+
+
+def test_the_worker_group_exits_2_on_any_bad_spec_before_it_forks(tmp_path: Path) -> None:
+    good, bad = tmp_path / "prefill-0.json", tmp_path / "decode-0.json"
+    good.write_text(encode_spec(SPEC))
+    bad.write_text(_doc(role="nobody"))
+    out = subprocess.run(
+        [sys.executable, "-m", "kvfence.serve.pd.worker_group", str(good), str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "kvfence worker group:" in out.stderr and "'nobody'" in out.stderr
+    assert "exited with code" not in out.stderr  # no worker was started

@@ -6,7 +6,8 @@ a message naming it). `kvfence serve --role router|prefill|decode` runs one
 role for a multi-host deployment; the addresses say where the others are
 (the router role is `router_role.py`, the workers `workers.py`). Here each child's spec
 (`WorkerSpec`, `RouterSpec`) is built once and written as a file its entry validates
-(`worker_entry.py`, `router_entry.py`); no role's options go back through argv.
+(`worker_group.py`, which forks every worker from one interpreter, and `router_entry.py`);
+no role's options go back through argv.
 """
 
 from __future__ import annotations
@@ -50,15 +51,16 @@ RouterSpecFor = Callable[[Loopback], RouterSpec]
 
 
 def worker_children(spec_for: WorkerSpecFor, addrs: Loopback, spec_dir: Path) -> list[ChildSpec]:
-    """One child per worker, each handed the spec built here, as a file (serve/pd/spec.py)."""
-    children = []
+    """The workers as one child, the worker group, handed each worker's spec built here as a
+    file (serve/pd/spec.py); it imports torch once and forks them (worker_group.py)."""
+    paths = []
     for role, inboxes in (("prefill", addrs.prefill), ("decode", addrs.decode)):
         for i, inbox in enumerate(inboxes):
             path = spec_dir / f"{role}-{i}.json"
             write_spec(spec_for(role, inbox, addrs.router), path)
-            argv = (sys.executable, "-m", "kvfence.serve.pd.worker_entry", str(path))
-            children.append(ChildSpec(f"{role}-{i}", argv))
-    return children
+            paths.append(str(path))
+    argv = (sys.executable, "-m", "kvfence.serve.pd.worker_group", *paths)
+    return [ChildSpec("workers", argv)]
 
 
 def router_child(spec: RouterSpec, tenants: TenantRegistry, spec_dir: Path) -> ChildSpec:
