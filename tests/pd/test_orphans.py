@@ -1,12 +1,13 @@
 """A supervisor that is SIGKILLed leaves no child behind: no worker, no router, no sglang-router.
 
 `kvfence serve --disaggregated` (sglang-router by default, kvfence's hub with `--router
-kvfence`) starts every role with `supervisor.spawn`, which arms a
-parent-death signal in each child (the hub's workers are forked by the worker group,
-each armed against the group, so the signal passes down: serve/pd/worker_group.py). SIGKILL runs none of the supervisor's own clean-up, so
-only that signal can stop the children. The run with the hook disabled (the same command,
-with `parent_death_hook` replaced by one that arms nothing) shows the check can fail: there
-the children are still running long after their parent is gone.
+kvfence`) starts every role with `supervisor.spawn`, which arms a parent-death signal in
+each child (the hub's workers are forked by the worker group, each armed against the
+group, so the signal passes down: serve/pd/worker_group.py). SIGKILL runs none of the
+supervisor's own clean-up, so only that signal can stop the children. The run with the
+hook disabled (the same command, with `parent_death_hook` replaced by one that arms
+nothing) shows the check can fail: there the children are still running long after their
+parent is gone.
 """
 
 from __future__ import annotations
