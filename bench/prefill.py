@@ -12,10 +12,14 @@ under each variant, interleaved (the order rotates each repeat, `--repeats`
 each), medians compared against `before`:
 
   prod:        production (linears above SMALL_TOKENS rows through oneDNN with
-               packed weights, RMSNorm and RoPE as one C++ pass each)
-  onednn-only: oneDNN linears, torch's RMSNorm and RoPE
-  before:      torch's F.linear (MKL) and torch's RMSNorm and RoPE (the path
-               before either; the few-token kernels stay in every variant)
+               packed weights, RMSNorm and RoPE as one C++ pass each, prefill
+               attention through the paged prefill kernel, model.paged_cpu)
+  sdpa-attn:   production, but prefill attention as torch's SDPA over the
+               gathered pages (the path before the paged prefill kernel)
+  onednn-only: oneDNN linears, torch's RMSNorm and RoPE, SDPA attention
+  before:      torch's F.linear (MKL), torch's RMSNorm and RoPE, SDPA attention
+               (the path before any of them; the few-token kernels and the
+               paged decode kernel stay in every variant)
 
 Every variant runs the I1 checks (`begin_step`) in every step. Prints one line
 per workload:
@@ -30,14 +34,20 @@ from __future__ import annotations
 
 import argparse
 import os
+
+# As `kvfence serve` runs (cli.py): libgomp's threads sleep when idle instead of spinning on
+# the cores the kernels' own threads (spin_pool) need between two oneDNN matmuls.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from kvfence.kv.pool import KVPool
+from kvfence.model.attention import CPUAttention
 from kvfence.model.batching import RowSpec, build_forward_batch
 from kvfence.model.linear_cpu import CPULinear
 from kvfence.model.llama import LlamaModel
@@ -46,7 +56,12 @@ from kvfence.model.rows_cpu import RowOps
 from kvfence.model.tiny import make_tiny_checkpoint
 
 Step = Callable[[], torch.Tensor]
-Variant = CPULinear  # its `rows` are the variant's RMSNorm/RoPE
+
+
+@dataclass(frozen=True)
+class Variant:
+    linear: CPULinear  # its `rows` are the variant's RMSNorm/RoPE
+    attention: CPUAttention
 
 
 def _row(pool: KVPool, ids: list[int], start: int, capacity: int) -> RowSpec:
@@ -87,7 +102,7 @@ def time_variants(
     names = list(variants)
     for rep in range(repeats + 1):
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
-            model.linear = variants[name]
+            model.linear, model.backend = variants[name].linear, variants[name].attention
             t0 = time.perf_counter()
             out[name] = step()
             if rep > 0:  # the first round warms up (and packs the weights once)
@@ -113,10 +128,17 @@ def main() -> None:
     model = loaded.model
     assert isinstance(model, LlamaModel)
     torch_rows = RowOps(kernel=False)
+    paged = model.backend
+    assert isinstance(paged, CPUAttention) and paged.prefill_kernel is not None, (
+        "the paged prefill kernel is not built: python -m kvfence.model.paged_cpu build"
+    )
+    sdpa = CPUAttention()
+    sdpa.prefill_kernel = None  # prefill rows gather; decode rows keep the paged kernel
     variants: dict[str, Variant] = {
-        "prod": model.linear,
-        "onednn-only": CPULinear(rows=torch_rows),
-        "before": CPULinear(onednn=False, rows=torch_rows),
+        "prod": Variant(model.linear, paged),
+        "sdpa-attn": Variant(model.linear, sdpa),
+        "onednn-only": Variant(CPULinear(rows=torch_rows), sdpa),
+        "before": Variant(CPULinear(onednn=False, rows=torch_rows), sdpa),
     }
     gen = torch.Generator().manual_seed(args.seed)
     work: list[tuple[str, int, Step]] = []

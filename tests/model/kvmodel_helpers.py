@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -73,3 +74,23 @@ def hf_logits(hf: torch.nn.Module, tokens: Sequence[int]) -> torch.Tensor:
     """Reference: HF transformers over the whole sequence, no cache. [len, vocab]."""
     with torch.no_grad():
         return hf(torch.tensor([list(tokens)])).logits[0].float()
+
+
+# A small Llama geometry for the attention kernels' tests; `heads_config` varies its heads.
+KERNEL_CONFIG = ModelConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=512,
+    hidden_size=96,
+    num_layers=2,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=64,
+)
+
+
+def heads_config(head_dim: int, heads: int, kv_heads: int) -> ModelConfig:
+    return dataclasses.replace(
+        KERNEL_CONFIG, hidden_size=heads * head_dim, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim,
+    )  # fmt: skip

@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
-from kvmodel_helpers import make_pool
+from kvmodel_helpers import heads_config, make_pool
 
 from kvfence.model import paged_cpu
 from kvfence.model.attention import CPUAttention
 from kvfence.model.batching import RowSpec, build_forward_batch
-from kvfence.model.config import ModelConfig
-
-CONFIG = ModelConfig(
-    architecture="LlamaForCausalLM",
-    vocab_size=512,
-    hidden_size=96,
-    num_layers=2,
-    num_heads=6,
-    num_kv_heads=2,
-    head_dim=16,
-    intermediate_size=64,
-)
 
 
 def test_the_kernel_is_built_for_this_source() -> None:
@@ -30,13 +16,6 @@ def test_the_kernel_is_built_for_this_source() -> None:
     assert paged_cpu.library_path().exists(), "run: python -m kvfence.model.paged_cpu build"
     assert paged_cpu.load() is not None
     assert CPUAttention().kernel is not None
-
-
-def _config(head_dim: int, heads: int, kv_heads: int) -> ModelConfig:
-    return dataclasses.replace(
-        CONFIG, hidden_size=heads * head_dim, num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=head_dim,
-    )  # fmt: skip
 
 
 # (head dim, heads, KV heads): the vector path's dims and groups (SmolLM2's 64 x 9/3 among
@@ -52,7 +31,7 @@ def test_kernel_equals_the_gather_path_on_decode_rows(
 ) -> None:
     torch.set_num_threads(threads)  # 3: rows' heads taken one by one on the pool's threads
     torch.manual_seed(0)
-    config = _config(*shape)
+    config = heads_config(*shape)
     pool = make_pool(config, 60, page_size=4)
     pool.k.normal_()
     pool.v.normal_()

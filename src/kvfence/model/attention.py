@@ -5,9 +5,9 @@ in their own row's page table at their positions, the pages they fill are
 marked written (only where that extends a contiguous written prefix, so a hole
 left by a transfer that never arrived stays a hole), and the ledger verifies
 every page the step will read — once, before any gather. After that, K/V
-leave the pool only through those verified tables: `gather` (prefill rows, the
-mirror) or the paged decode kernel (`model.paged_cpu`), which reads decode
-rows' pages in place.
+leave the pool only through those verified tables: `gather` (the mirror, and
+the fallback where no kernel fits) or the paged kernels (`model.paged_cpu`),
+which read decode and prefill rows' pages in place.
 
 Backends plug in behind `AttentionBackend` (a CPU one here; GPU kernels later)
 and are looked up by name with `get_backend`.
@@ -26,7 +26,7 @@ from kvfence.faults import Fault
 from kvfence.kv.pool import BatchPages, IsolationViolation, KVPool
 from kvfence.model.base import ForwardBatch
 from kvfence.model.batching import rows_of_tokens
-from kvfence.model.paged_cpu import PagedDecodeKernel
+from kvfence.model.paged_cpu import PagedDecodeKernel, PagedPrefillKernel, load_prefill
 from kvfence.model.paged_cpu import load as load_kernel
 from kvfence.model.step_checks import load as load_step_checks
 
@@ -152,6 +152,7 @@ class AttentionPlan:
     decode_pages: int
     decode_is_all: bool  # every token is a decode token, in row order
     prefill: list[_PrefillRow]
+    prefill_meta: torch.Tensor  # [4, N]: table row, first token, end, length per prefill row
     page_size: int
     dtype: torch.dtype
     _masks: dict[tuple[str, int, int | None], torch.Tensor] = field(default_factory=dict)
@@ -225,15 +226,18 @@ class AttentionBackend(ABC):
 
 
 class CPUAttention(AttentionBackend):
-    """Decode rows: the paged kernel in place (or one batched SDPA over gathered pages when the
-    kernel is not built or the dtype is not float32); prefill rows: SDPA over gathered pages.
+    """Decode rows: the paged kernel in place; prefill rows: the paged prefill kernel in place.
+    Either gathers the pages and runs SDPA instead where its kernel is not built, the dtype is
+    not float32, or (prefill) the head dim has no kernel.
 
-    `kernel=False` forces the gather path (the reference the kernel is tested against);
-    `vector=False` the kernel's scalar path (what it runs for shapes without a vector one).
+    `kernel=False` forces the gather path (the reference the kernels are tested against);
+    `vector=False` the decode kernel's scalar path (what it runs for shapes without a vector
+    one).
     """
 
     def __init__(self, kernel: bool = True, vector: bool = True) -> None:
         self.kernel: PagedDecodeKernel | None = load_kernel() if kernel else None
+        self.prefill_kernel: PagedPrefillKernel | None = load_prefill() if kernel else None
         self.vector = vector
 
     def write(
@@ -272,6 +276,15 @@ class CPUAttention(AttentionBackend):
             decode_pages=min(-(-max_len // ps), width),
             decode_is_all=len(decode_rows) == batch.num_rows,
             prefill=prefill,
+            prefill_meta=torch.tensor(
+                [
+                    [p.row for p in prefill],
+                    [p.start for p in prefill],
+                    [p.end for p in prefill],
+                    [p.length for p in prefill],
+                ],
+                dtype=torch.int64,
+            ),
             page_size=ps,
             dtype=dtype,
         )
@@ -296,6 +309,13 @@ class CPUAttention(AttentionBackend):
                 -1, heads * hd
             )
         pages = plan.batch.pages
+        if self._prefill_in_place(pool, q):
+            assert self.prefill_kernel is not None
+            self.prefill_kernel.attend(
+                q, pool.k[layer], pool.v[layer], pages.pages, plan.prefill_meta,
+                plan.batch.positions, out.view(t, heads, hd), scale, window,
+            )  # fmt: skip
+            return out
         for i, p in enumerate(plan.prefill):
             row = torch.tensor([p.row])
             k, v = gather(pool, layer, pages, row, p.num_pages)
@@ -309,6 +329,14 @@ class CPUAttention(AttentionBackend):
             )
             out[p.start : p.end] = o[0].permute(1, 0, 2).reshape(p.end - p.start, heads * hd)
         return out
+
+    def _prefill_in_place(self, pool: KVPool, q: torch.Tensor) -> bool:
+        return (
+            self.prefill_kernel is not None
+            and q.dtype == pool.k.dtype == torch.float32
+            and pool.k.is_contiguous()
+            and q.shape[-1] in PagedPrefillKernel.HEAD_DIMS
+        )
 
     def _decode(
         self,

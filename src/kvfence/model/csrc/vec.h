@@ -30,6 +30,19 @@ inline float hsum(vf v) {
   return (z[0] + z[2]) + (z[1] + z[3]);
 }
 
+// exp(r) for r in [-ln 2 / 2, ln 2 / 2]: Cephes' expf polynomial, on a float or on a
+// whole vector (T = vf; the paged prefill kernel's softmax) alike.
+template <class T>
+inline T exp_poly(T r) {
+  T p = T{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.0f;
+}
+
 // exp(x) for x <= 0 (a score minus its row's maximum, or -|x| in SiLU): Cephes' expf
 // polynomial after range reduction by ln 2, within a few ulp of std::exp on [-87, 0];
 // 2^-126 scale below.
@@ -37,13 +50,7 @@ inline float exp_nonpositive(float x) {
   x = x < -87.0f ? -87.0f : x;
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  const float p = exp_poly(r);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-126, 0]
   float scale;
   std::memcpy(&scale, &bits, 4);

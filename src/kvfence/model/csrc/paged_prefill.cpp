@@ -1,0 +1,334 @@
+// Paged prefill attention on the CPU: a chunk of query tokens per row, causal over the
+// row's own K/V, read in place from the pool's pages through the row's page table.
+//
+// Built with the decode kernel (paged_decode.cpp) and called through ctypes from
+// kvfence.model.paged_cpu. The caller has verified every page table against the
+// ledger (I1, attention.begin_step) before the step. This kernel reads only a row's
+// keys [0, hi), hi = min(its last token's position + 1, its length), looking each
+// one up in the row's table, and refuses (returns 1) an entry outside the pool
+// before it reads a byte of that page. A key past a query's position (or before its
+// window) gets a weight of exactly 0, never a tiny one: the row's own later tokens
+// must not reach its earlier ones, and no slot at or past hi is read at all (a
+// page's tail may hold what an earlier owner wrote).
+//
+// Flash attention in two passes per call. Pass 1 lays each row's keys out per KV
+// head in tiles of 16 (whatever the page size), transposed to [D][16], and notes
+// where each key's value lies; it is the only pass that reads the table. Pass 2 runs
+// one job per (row, KV head, block of 16 query tokens): the block's tokens times the
+// KV head's query group are its query vectors, and a score tile of 8 of them is D
+// fused multiply-adds of a broadcast query element by a vector of 16 keys. The
+// softmax is online (a running maximum and sum per query vector), the exp the
+// polynomial of vec.h on whole vectors; only tiles that cross a query's position
+// pay for a mask. Jobs are taken longest first (the blocks at the end of a prompt
+// attend the most keys) on the spin pool's threads. bench/prefill.py measures it
+// against torch's SDPA over the gathered pages.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "spin_pool.h"
+#include "vec.h"
+
+namespace {
+
+using kvf::kLanes;
+using kvf::load;
+using kvf::store;
+using kvf::vf;
+
+typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
+
+constexpr int64_t kBlock = 16;  // query tokens per job
+constexpr int kRows = 8;         // query vectors per score tile (independent FMA chains)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline vf splat(float x) { return vf{} + x; }
+
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+// The largest lane, by halves in registers (a round trip through the stack, as a
+// memcpy of the halves compiles to here, stalls on store forwarding every tile).
+inline float hmax(vf v) {
+  const kvf::vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const kvf::vf8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const kvf::vf8 c = a > b ? a : b;
+  const kvf::vf4 x = __builtin_shufflevector(c, c, 0, 1, 2, 3);
+  const kvf::vf4 y = __builtin_shufflevector(c, c, 4, 5, 6, 7);
+  const kvf::vf4 z = x > y ? x : y;
+  const float u = z[0] > z[2] ? z[0] : z[2], w = z[1] > z[3] ? z[1] : z[3];
+  return u > w ? u : w;
+}
+
+inline float hsum(vf v) {
+  const kvf::vf8 c = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const kvf::vf4 z = __builtin_shufflevector(c, c, 0, 1, 2, 3) +
+                     __builtin_shufflevector(c, c, 4, 5, 6, 7);
+  return (z[0] + z[2]) + (z[1] + z[3]);
+}
+
+// exp of each lane, every lane <= 0: vec.h's polynomial (Cephes' expf) on whole vectors.
+inline vf exp_vec(vf x) {
+  x = vmax(x, splat(-87.0f));
+  const vf y = x * 1.44269504088896341f + 0.5f;
+  vf n = __builtin_convertvector(__builtin_convertvector(y, vi), vf);  // toward zero
+  n = n > y ? n - 1.0f : n;                                            // floor
+  const vf r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  const vf p = kvf::exp_poly(r);
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;  // 2^n, n in [-126, 0]
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// One prefill row as both passes see it.
+struct Row {
+  const int64_t* table;
+  int64_t start, end, hi;  // tokens [start, end); keys [0, hi)
+  int64_t tiles;           // ceil(hi / 16)
+  float* kt;               // [KVH, tiles, D, 16]: keys, transposed
+  int64_t* voff;           // [tiles * 16]: where key j's value lies in a layer (head 0)
+};
+
+struct Layout {
+  const float* q;  // [T, H, D]
+  const float* k;  // [P, ps, KVH, D]: one layer of the pool
+  const float* v;
+  float* out;      // [T, H, D]
+  const int64_t* positions;  // [T]
+  int64_t H, KVH, D, G, ps, P, window;
+  float scale;
+};
+
+// Pass 1, one (row, tile): transpose the tile's keys for every KV head; false on a bad entry.
+bool lay_out_tile(const Row& row, int64_t tile, const Layout& s) {
+  const int64_t D = s.D, k0 = tile * kLanes, n = std::min<int64_t>(kLanes, row.hi - k0);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t kp = k0 + j;
+    const int64_t page = row.table[kp / s.ps];
+    if (page < 0 || page >= s.P) return false;
+    row.voff[kp] = (page * s.ps + kp % s.ps) * s.KVH * D;
+  }
+  for (int64_t kh = 0; kh < s.KVH; ++kh) {
+    float* kt = row.kt + (kh * row.tiles + tile) * D * kLanes;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kk = s.k + row.voff[k0 + j] + kh * D;
+      for (int64_t d = 0; d < D; ++d) kt[d * kLanes + j] = kk[d];
+    }
+    for (int64_t j = n; j < kLanes; ++j)
+      for (int64_t d = 0; d < D; ++d) kt[d * kLanes + j] = 0.0f;
+  }
+  return true;
+}
+
+struct Job {
+  const Row* row;
+  int64_t t0, t1, kh;
+};
+
+// Scores of kRows query vectors (rows of q, D apart) against one transposed tile. Not
+// inlined: in the caller's frame GCC kept one accumulator on the stack, a store and a
+// reload in every step of the chain (perf annotate: 40% of the kernel's time).
+template <int D>
+__attribute__((noinline)) void score_tile(const float* q, const float* kt, vf* out) {
+  vf s0{}, s1{}, s2{}, s3{}, s4{}, s5{}, s6{}, s7{};
+  static_assert(kRows == 8, "one accumulator per query vector");
+  for (int d = 0; d < D; ++d) {
+    const vf kv = load(kt + d * kLanes);
+    s0 += q[d] * kv;
+    s1 += q[D + d] * kv;
+    s2 += q[2 * D + d] * kv;
+    s3 += q[3 * D + d] * kv;
+    s4 += q[4 * D + d] * kv;
+    s5 += q[5 * D + d] * kv;
+    s6 += q[6 * D + d] * kv;
+    s7 += q[7 * D + d] * kv;
+  }
+  out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+  out[4] = s4, out[5] = s5, out[6] = s6, out[7] = s7;
+}
+
+// Pass 2, one job. Its query vectors are r = token * G + g.
+template <int C>
+void attend_block(const Job& job, const Layout& s, std::vector<float>& scratch,
+                  std::vector<int64_t>& bounds) {
+  constexpr int D = C * kLanes;
+  const Row& row = *job.row;
+  const int64_t G = s.G, nt = job.t1 - job.t0, R = nt * G;
+  const int64_t Rp = (R + kRows - 1) / kRows * kRows;  // padded to whole score tiles
+  scratch.resize(2 * Rp * D + Rp * (kLanes + 1));
+  float* qs = scratch.data();  // [Rp, D], scaled
+  float* acc = qs + Rp * D;    // [Rp, D]
+  float* sum = acc + Rp * D;   // [Rp, 16]: running sums, lane by lane (one hsum at the end)
+  float* mx = sum + Rp * kLanes;  // [Rp]
+  bounds.resize(2 * Rp);
+  int64_t* first = bounds.data();  // [Rp] first key each query attends
+  int64_t* last = first + Rp;      // [Rp] last key (its position, capped below hi)
+  int64_t lo = row.hi;
+  for (int64_t r = 0; r < Rp; ++r) {
+    const int64_t t = std::min(r, R - 1) / G, g = std::min(r, R - 1) % G;
+    const int64_t p = s.positions[job.t0 + t];
+    first[r] = s.window > 0 ? std::max<int64_t>(0, p - s.window + 1) : 0;
+    last[r] = r < R ? std::min(p, row.hi - 1) : -1;  // padding rows attend nothing
+    if (r < R) lo = std::min(lo, first[r]);
+    const float* src = s.q + ((job.t0 + t) * s.H + job.kh * G + g) * D;
+    for (int d = 0; d < D; ++d) qs[r * D + d] = src[d] * s.scale;
+  }
+  int64_t hi = 0;
+  for (int64_t r = 0; r < R; ++r) hi = std::max(hi, last[r] + 1);
+  std::fill(acc, acc + Rp * D, 0.0f);
+  std::fill(mx, mx + Rp, kNegInf);
+  std::fill(sum, sum + Rp * kLanes, 0.0f);
+  vi lane;
+  for (int j = 0; j < kLanes; ++j) lane[j] = j;
+  const float* kts = row.kt + job.kh * row.tiles * D * kLanes;
+  for (int64_t tile = lo / kLanes; tile * kLanes < hi; ++tile) {
+    const int64_t k0 = tile * kLanes;
+    const float* kt = kts + tile * D * kLanes;
+    const int64_t n = std::min<int64_t>(kLanes, hi - k0);
+    const float* vrow[kLanes];
+    for (int64_t j = 0; j < n; ++j) vrow[j] = s.v + row.voff[k0 + j] + job.kh * D;
+    for (int64_t r0 = 0; r0 < Rp; r0 += kRows) {
+      bool any = false, whole = n == kLanes;
+      for (int i = 0; i < kRows; ++i) {
+        const int64_t r = r0 + i;
+        any |= last[r] >= k0 && first[r] < k0 + n;
+        whole &= first[r] <= k0 && last[r] >= k0 + kLanes - 1;
+      }
+      if (!any) continue;
+      vf sc[kRows];
+      score_tile<D>(qs + r0 * D, kt, sc);
+      vf pr[kRows];
+      for (int i = 0; i < kRows; ++i) {
+        const int64_t r = r0 + i;
+        vi live{};
+        if (!whole) {  // lane j attends iff first[r] <= k0 + j <= last[r]
+          const vi kp = lane + static_cast<int32_t>(k0);
+          live = (kp >= static_cast<int32_t>(first[r])) & (kp <= static_cast<int32_t>(last[r]));
+          sc[i] = live ? sc[i] : splat(kNegInf);
+        }
+        const float tile_max = hmax(sc[i]);
+        if (tile_max == kNegInf) {
+          pr[i] = vf{};
+          continue;
+        }
+        const float m_new = tile_max > mx[r] ? tile_max : mx[r];
+        vf p = exp_vec(sc[i] - m_new);
+        if (!whole) p = live ? p : vf{};  // exactly 0, not exp(-87)
+        const float alpha = mx[r] == kNegInf ? 0.0f : kvf::exp_nonpositive(mx[r] - m_new);
+        store(sum + r * kLanes, load(sum + r * kLanes) * alpha + p);
+        mx[r] = m_new;
+        if (alpha != 1.0f) {
+          float* a = acc + r * D;
+          for (int c = 0; c < C; ++c) store(a + c * kLanes, load(a + c * kLanes) * alpha);
+        }
+        pr[i] = p;
+      }
+      for (int h = 0; h < kRows; h += 4) {  // values, 4 query vectors at a time
+        vf o[4][C];
+        for (int i = 0; i < 4; ++i)
+          for (int c = 0; c < C; ++c) o[i][c] = load(acc + (r0 + h + i) * D + c * kLanes);
+        for (int64_t j = 0; j < n; ++j) {
+          vf vv[C];
+          for (int c = 0; c < C; ++c) vv[c] = load(vrow[j] + c * kLanes);
+          for (int i = 0; i < 4; ++i) {
+            const float w = pr[h + i][j];
+            for (int c = 0; c < C; ++c) o[i][c] += w * vv[c];
+          }
+        }
+        for (int i = 0; i < 4; ++i)
+          for (int c = 0; c < C; ++c) store(acc + (r0 + h + i) * D + c * kLanes, o[i][c]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = r / G, g = r % G;
+    float* dst = s.out + ((job.t0 + t) * s.H + job.kh * G + g) * D;
+    const float total = hsum(load(sum + r * kLanes));
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    for (int d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
+  }
+}
+
+using BlockFn = void (*)(const Job&, const Layout&, std::vector<float>&, std::vector<int64_t>&);
+
+BlockFn for_dim(int64_t D) {
+  switch (D) {
+    case 16: return attend_block<1>;
+    case 32: return attend_block<2>;
+    case 64: return attend_block<4>;
+    case 128: return attend_block<8>;
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
+// Returns 0; 1 if a table entry lies outside the pool (nothing is written then); 2 for a
+// head dim without a kernel (16, 32, 64 and 128 have one): the caller gathers instead.
+extern "C" int kvf_paged_prefill(
+    const float* q,             // [T, H, D]
+    const float* k,             // [P, ps, KVH, D]
+    const float* v,             // [P, ps, KVH, D]
+    const int64_t* table,       // [B, W] page indices
+    const int64_t* rows,        // [N] each prefill row's index in the table
+    const int64_t* starts,      // [N] its first token in q
+    const int64_t* ends,        // [N] one past its last token
+    const int64_t* lengths,     // [N] keys it may attend: [0, length)
+    const int64_t* positions,   // [T] each token's position in its row
+    float* out,                 // [T, H, D]: written for the prefill rows' tokens only
+    int64_t N, int64_t H, int64_t KVH, int64_t D, int64_t ps, int64_t W, int64_t P,
+    int64_t window, float scale, int threads) {
+  const BlockFn attend = for_dim(D);
+  if (attend == nullptr) return 2;
+  const Layout layout{q, k, v, out, positions, H, KVH, D, H / KVH, ps, P, window, scale};
+  std::vector<Row> prefill(N);
+  int64_t kt_size = 0, voff_size = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    int64_t top = 0;
+    for (int64_t t = starts[i]; t < ends[i]; ++t) top = std::max(top, positions[t] + 1);
+    const int64_t hi = std::max<int64_t>(0, std::min({top, lengths[i], W * ps}));
+    const int64_t tiles = (hi + kLanes - 1) / kLanes;
+    prefill[i] = Row{table + rows[i] * W, starts[i], ends[i], hi, tiles, nullptr, nullptr};
+    kt_size += KVH * tiles * D * kLanes;
+    voff_size += tiles * kLanes;
+  }
+  std::vector<float> kt(kt_size);
+  std::vector<int64_t> voff(voff_size);
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (row, tile)
+  for (int64_t i = 0, a = 0, b = 0; i < N; ++i) {
+    prefill[i].kt = kt.data() + a;
+    prefill[i].voff = voff.data() + b;
+    a += KVH * prefill[i].tiles * D * kLanes;
+    b += prefill[i].tiles * kLanes;
+    for (int64_t t = 0; t < prefill[i].tiles; ++t) tiles.emplace_back(i, t);
+  }
+  std::atomic<int> bad{0};
+  std::atomic<int64_t> next{0};
+  kvf::parallel_parts(threads, [&](int, int) {
+    for (int64_t j; (j = next.fetch_add(1)) < static_cast<int64_t>(tiles.size());)
+      if (!lay_out_tile(prefill[tiles[j].first], tiles[j].second, layout)) bad.store(1);
+  });
+  if (bad.load()) return 1;  // no query has read anything yet
+  std::vector<Job> jobs;
+  for (const Row& row : prefill)
+    for (int64_t t0 = row.start; t0 < row.end; t0 += kBlock)
+      for (int64_t kh = 0; kh < KVH; ++kh)
+        jobs.push_back(Job{&row, t0, std::min(row.end, t0 + kBlock), kh});
+  // Longest first: a block's work grows with the position of its last token.
+  std::stable_sort(jobs.begin(), jobs.end(), [&](const Job& a, const Job& b) {
+    return positions[a.t1 - 1] > positions[b.t1 - 1];
+  });
+  next.store(0);
+  kvf::parallel_parts(threads, [&](int, int) {
+    std::vector<float> scratch;
+    std::vector<int64_t> bounds;
+    for (int64_t j; (j = next.fetch_add(1)) < static_cast<int64_t>(jobs.size());)
+      attend(jobs[j], layout, scratch, bounds);
+  });
+  return 0;
+}
