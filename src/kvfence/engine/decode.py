@@ -197,14 +197,7 @@ class DecodeEngine:
             # fault set) but still marks written only what the manifest says landed.
             reconcile(manifest, seq.reservation, self.pool, payload_checksum)
         except TransferMismatch as mismatch:
-            self.counters.transfer_mismatches += 1
-            error = RequestError(
-                502,
-                "transfer_mismatch",
-                f"KV transfer refused: {mismatch}",
-                code="transfer_mismatch",
-            )
-            self._end_failed(seq, error)
+            self._refuse_transfer(seq, mismatch)
             return
         if Fault.DECODE_TRUSTS_BOOTSTRAP in self.faults:
             # SGLang #30233: attend every reserved position, whatever arrived.
@@ -216,6 +209,14 @@ class DecodeEngine:
         seq.prefill_s = manifest.prefill_s
         self.running.append(seq)
         self._emit(seq, manifest.first_token, manifest.first_logprobs)
+
+    def _refuse_transfer(self, seq: _Seq, mismatch: TransferMismatch) -> None:
+        """I3 refused what landed: the request fails with a 502 and its pages are invalidated (I5)."""
+        self.counters.transfer_mismatches += 1
+        error = RequestError(
+            502, "transfer_mismatch", f"KV transfer refused: {mismatch}", code="transfer_mismatch"
+        )
+        self._end_failed(seq, error)
 
     # ---- abort --------------------------------------------------------------------------
 
