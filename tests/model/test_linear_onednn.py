@@ -67,6 +67,35 @@ def test_weights_changed_in_place_are_repacked_after_forget() -> None:
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 64, 130])
+def test_kv_write_reads_the_fused_projection_in_place_like_index_copy(tokens: int) -> None:
+    """K and V as the model passes them (views into the fused qkv output) land in their slots
+    exactly as torch's index_copy_ puts them; every other slot keeps its bytes."""
+    torch.manual_seed(tokens)
+    rows = RowOps()
+    qkv = torch.randn(tokens, (4 + 2 + 2) * 16)
+    k, v = qkv[:, 64:96].view(tokens, 2, 16), qkv[:, 96:].view(tokens, 2, 16)
+    slots = torch.randperm(200)[:tokens]
+    k_pool, v_pool = torch.randn(200, 2, 16), torch.randn(200, 2, 16)
+    pools = [k_pool, v_pool, k_pool.clone(), v_pool.clone()]
+    rows.write_kv(pools[0], pools[1], slots, k, v)
+    pools[2].index_copy_(0, slots, k)
+    pools[3].index_copy_(0, slots, v)
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+
+
+@pytest.mark.parametrize("bad", [200, -1])
+def test_kv_write_refuses_a_slot_outside_the_layer_and_writes_nothing(bad: int) -> None:
+    """The kernel checks every slot before it writes any: the good slots before the bad one
+    are not written either (a batch is written whole or not at all)."""
+    rows = RowOps()
+    k, v = torch.ones(3, 2, 16), torch.ones(3, 2, 16)
+    k_slots, v_slots = torch.zeros(200, 2, 16), torch.zeros(200, 2, 16)
+    with pytest.raises(IndexError, match="outside the layer's 200 slots"):
+        rows.write_kv(k_slots, v_slots, torch.tensor([5, 6, bad]), k, v)
+    assert not k_slots.any() and not v_slots.any()
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64, 130])
 def test_row_kernels_equal_torch_norm_and_rope(tokens: int) -> None:
     torch.manual_seed(tokens)
     rows = RowOps()

@@ -110,3 +110,26 @@ def test_prefill_kernel_refuses_a_table_entry_outside_the_pool(threads: int) -> 
         with pytest.raises(ValueError, match="outside the pool"):
             kernel.attend(q, k, k.clone(), table, meta, torch.arange(3), out, 1.0)
         assert torch.all(out == 7.0), "nothing is written when an entry is refused"
+
+
+@pytest.mark.parametrize("shape", [(64, 9, 3), (32, 8, 2)], ids=lambda s: "d{}h{}kv{}".format(*s))
+def test_prefill_kernel_reads_q_in_place_from_a_wider_projection(
+    shape: tuple[int, int, int],
+) -> None:
+    """q as the model passes it: a view into the fused qkv output (token rows wider than
+    heads x head dim), read at its own stride with no copy, gives bit for bit the result of the
+    same q laid out contiguously. Reading it at the contiguous stride would mix tokens' heads."""
+    torch.set_num_threads(2)
+    torch.manual_seed(2)
+    config = heads_config(*shape)
+    pool, plan, q = _step(config, 16)
+    t, heads, hd = q.shape
+    fused = torch.randn(t, heads * hd + 2 * config.num_kv_heads * hd)
+    fused[:, : heads * hd] = q.reshape(t, -1)
+    view = fused[:, : heads * hd].view(t, heads, hd)
+    assert not view.is_contiguous() and view.stride(0) == fused.shape[1]
+    kernel = CPUAttention()
+    assert kernel._prefill_in_place(pool, view)
+    for layer in range(2):
+        got = kernel.attend(pool, layer, view, plan, scale=0.25)
+        assert torch.equal(got, kernel.attend(pool, layer, q.contiguous(), plan, scale=0.25))

@@ -28,6 +28,7 @@ from kvfence.model.base import ForwardBatch
 from kvfence.model.batching import rows_of_tokens
 from kvfence.model.paged_cpu import PagedDecodeKernel, PagedPrefillKernel, load_prefill
 from kvfence.model.paged_cpu import load as load_kernel
+from kvfence.model.rows_cpu import RowOps
 from kvfence.model.step_checks import load as load_step_checks
 
 # ---- the step prologue (I1) ---------------------------------------------------------------
@@ -238,6 +239,7 @@ class CPUAttention(AttentionBackend):
     def __init__(self, kernel: bool = True, vector: bool = True) -> None:
         self.kernel: PagedDecodeKernel | None = load_kernel() if kernel else None
         self.prefill_kernel: PagedPrefillKernel | None = load_prefill() if kernel else None
+        self.rows = RowOps(kernel)  # the K/V write
         self.vector = vector
 
     def write(
@@ -246,8 +248,9 @@ class CPUAttention(AttentionBackend):
         kvh, hd = pool.geometry.num_kv_heads, pool.geometry.head_dim
         if k.dtype != pool.k.dtype:
             k, v = k.to(pool.k.dtype), v.to(pool.v.dtype)
-        pool.k[layer].view(-1, kvh, hd).index_copy_(0, slot_mapping, k)
-        pool.v[layer].view(-1, kvh, hd).index_copy_(0, slot_mapping, v)
+        self.rows.write_kv(
+            pool.k[layer].view(-1, kvh, hd), pool.v[layer].view(-1, kvh, hd), slot_mapping, k, v
+        )
 
     def plan(
         self, pool: KVPool, batch: ForwardBatch, dtype: torch.dtype = torch.float32

@@ -126,7 +126,7 @@ class PagedPrefillKernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.kvf_paged_prefill
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 8
+        fn.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 9
         fn.argtypes += [ctypes.c_float, ctypes.c_int]
         self._fn = fn
 
@@ -144,7 +144,9 @@ class PagedPrefillKernel:
     ) -> None:
         """Write `out` [T, H, D] at the prefill rows' tokens.
 
-        q [T, H, D] f32; k, v [P, ps, KVH, D] f32 (one layer); table [B, W] int64; meta
+        q [T, H, D] f32 (each token's heads contiguous, any token stride: a view into the
+        step's fused projection is read in place); k, v [P, ps, KVH, D] f32 (one layer);
+        table [B, W] int64; meta
         [4, N] int64: each prefill row's table row, first token, end token and length (the
         keys it may attend, [0, length)); positions [T] int64. A token at position p attends
         keys [p - window + 1, p] within [0, length).
@@ -153,8 +155,9 @@ class PagedPrefillKernel:
             raise ValueError("paged kernel: the pool's K/V and the output must be contiguous")
         if not (table.dtype == meta.dtype == positions.dtype == torch.int64):
             raise ValueError("paged kernel: table, meta and positions must be int64")
-        q, table, meta = q.contiguous(), table.contiguous(), meta.contiguous()
-        positions = positions.contiguous()
+        if not (q.stride(2) == 1 and q.stride(1) == q.shape[2]):
+            q = q.contiguous()
+        table, meta, positions = table.contiguous(), meta.contiguous(), positions.contiguous()
         _, h, d = q.shape
         p, ps, kvh, _ = k.shape
         n = int(meta.shape[1])
@@ -163,7 +166,8 @@ class PagedPrefillKernel:
         rc = self._fn(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), base, base + stride,
             base + 2 * stride, base + 3 * stride, positions.data_ptr(), out.data_ptr(),
-            n, h, kvh, d, ps, int(table.shape[1]), p, window or 0, scale, torch.get_num_threads(),
+            n, h, kvh, d, ps, int(table.shape[1]), p, window or 0, q.stride(0), scale,
+            torch.get_num_threads(),
         )  # fmt: skip
         if rc == 1:
             raise ValueError("paged kernel: a page table names a page outside the pool")

@@ -1,5 +1,5 @@
-"""RMSNorm and RoPE as one pass over the rows each (`csrc/rows.cpp`, on the calling thread),
-torch's ops where not fit.
+"""RMSNorm, RoPE and the K/V write as one pass over the rows each (`csrc/rows.cpp`, on the
+calling thread), torch's ops where not fit.
 
 A prefill layer's norms and rotary embedding were a dozen elementwise torch
 ops per layer, each its own pass and its own OpenMP region; these are one
@@ -41,11 +41,14 @@ class RowOps:
         lib = library() if kernel else None
         self._norm = None if lib is None else lib.kvf_rms_norm
         self._rope = None if lib is None else lib.kvf_rope
+        self._write = None if lib is None else lib.kvf_write_kv
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        if self._norm is not None and self._rope is not None:
+        if self._norm is not None and self._rope is not None and self._write is not None:
             self._norm.restype = self._rope.restype = None
             self._norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
             self._rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
+            self._write.restype = ctypes.c_int
+            self._write.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr]
 
     @property
     def has_kernel(self) -> bool:
@@ -82,6 +85,47 @@ class RowOps:
         t, heads, d = x.shape
         self._rope(x.data_ptr(), t, x.stride(0), heads, d, cos.data_ptr(), sin.data_ptr())
         return x
+
+    def write_kv(
+        self,
+        k_slots: torch.Tensor,
+        v_slots: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """`k_slots.index_copy_(0, slot_mapping, k)`, the same for v: token t's K/V into slot
+        `slot_mapping[t]` of one layer ([slots, kv_heads, head_dim]). The kernel reads k and v
+        in place (each token's heads contiguous, the same token stride: views into the fused
+        projection) and checks every slot before it writes any; torch's op otherwise."""
+        t = k.shape[0]
+        fits = (
+            self._write is not None
+            and k_slots.dtype == v_slots.dtype == k.dtype == v.dtype == torch.float32
+            and k_slots.is_contiguous()
+            and v_slots.is_contiguous()
+            and k.dim() == v.dim() == 3
+            and k.shape == v.shape == (t, *k_slots.shape[1:])
+            and v_slots.shape == k_slots.shape
+            and k.stride() == v.stride()
+            and k.stride(2) == 1
+            and k.stride(1) == k.shape[2]
+            and slot_mapping.dtype == torch.int64
+            and slot_mapping.shape == (t,)
+        )
+        if not fits:
+            k_slots.index_copy_(0, slot_mapping, k)
+            v_slots.index_copy_(0, slot_mapping, v)
+            return
+        assert self._write is not None
+        slots = slot_mapping.contiguous()
+        width = k.shape[1] * k.shape[2]
+        bad = self._write(
+            k.data_ptr(), v.data_ptr(), t, k.stride(0), width, slots.data_ptr(),
+            k_slots.shape[0], k_slots.data_ptr(), v_slots.data_ptr(),
+        )  # fmt: skip
+        if bad:
+            raise IndexError(f"write_kv: a slot outside the layer's {k_slots.shape[0]} slots")
 
 
 def f32_contiguous(t: torch.Tensor) -> bool:

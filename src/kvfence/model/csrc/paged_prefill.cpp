@@ -95,12 +95,12 @@ struct Row {
 };
 
 struct Layout {
-  const float* q;  // [T, H, D]
+  const float* q;  // [T, H, D], token rows q_stride floats apart
   const float* k;  // [P, ps, KVH, D]: one layer of the pool
   const float* v;
   float* out;      // [T, H, D]
   const int64_t* positions;  // [T]
-  int64_t H, KVH, D, G, ps, P, window;
+  int64_t H, KVH, D, G, ps, P, window, q_stride;
   float scale;
 };
 
@@ -175,7 +175,7 @@ void attend_block(const Job& job, const Layout& s, std::vector<float>& scratch,
     first[r] = s.window > 0 ? std::max<int64_t>(0, p - s.window + 1) : 0;
     last[r] = r < R ? std::min(p, row.hi - 1) : -1;  // padding rows attend nothing
     if (r < R) lo = std::min(lo, first[r]);
-    const float* src = s.q + ((job.t0 + t) * s.H + job.kh * G + g) * D;
+    const float* src = s.q + (job.t0 + t) * s.q_stride + (job.kh * G + g) * D;
     for (int d = 0; d < D; ++d) qs[r * D + d] = src[d] * s.scale;
   }
   int64_t hi = 0;
@@ -271,7 +271,7 @@ BlockFn for_dim(int64_t D) {
 // Returns 0; 1 if a table entry lies outside the pool (nothing is written then); 2 for a
 // head dim without a kernel (16, 32, 64 and 128 have one): the caller gathers instead.
 extern "C" int kvf_paged_prefill(
-    const float* q,             // [T, H, D]
+    const float* q,             // [T, H, D]: each token's heads contiguous, q_stride apart
     const float* k,             // [P, ps, KVH, D]
     const float* v,             // [P, ps, KVH, D]
     const int64_t* table,       // [B, W] page indices
@@ -282,10 +282,10 @@ extern "C" int kvf_paged_prefill(
     const int64_t* positions,   // [T] each token's position in its row
     float* out,                 // [T, H, D]: written for the prefill rows' tokens only
     int64_t N, int64_t H, int64_t KVH, int64_t D, int64_t ps, int64_t W, int64_t P,
-    int64_t window, float scale, int threads) {
+    int64_t window, int64_t q_stride, float scale, int threads) {
   const BlockFn attend = for_dim(D);
   if (attend == nullptr) return 2;
-  const Layout layout{q, k, v, out, positions, H, KVH, D, H / KVH, ps, P, window, scale};
+  const Layout layout{q, k, v, out, positions, H, KVH, D, H / KVH, ps, P, window, q_stride, scale};
   std::vector<Row> prefill(N);
   int64_t kt_size = 0, voff_size = 0;
   for (int64_t i = 0; i < N; ++i) {
