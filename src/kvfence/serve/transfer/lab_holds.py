@@ -53,8 +53,15 @@ class LabHold:
         return True
 
     def sent(self, room: str, outcome: str) -> None:
-        """The transfer ended: "ok" (every byte written, the end sent) or why not."""
-        (self.folder / f"sent-{os.getpid()}-{room}").write_text(outcome)
+        """The transfer ended: "ok" (every byte written, the end sent) or why not.
+
+        Written under a name the test does not look for, then renamed (atomic): a reader that
+        finds `sent-*` reads the whole outcome, never the empty file `write_text` opens first.
+        """
+        final = self.folder / f"sent-{os.getpid()}-{room}"
+        partial = self.folder / f".{final.name}.partial"
+        partial.write_text(outcome)
+        partial.replace(final)
 
     # ---- decode: no step over rows ready to decode while `hold-decode` exists ----------------
 
