@@ -16,18 +16,20 @@ def test_the_linear_kernel_is_built_for_this_source() -> None:
 
 
 # The kernel's two paths (csrc/small_linear.cpp): features a multiple of 16 take the vector
-# path (blocks of 4 rows for one token, 8 rows x 2 tokens and a last odd token for more,
-# on AVX-512), other features the scalar tile. 48 and 640: vector; 100: scalar.
+# path (on AVX-512 blocks of 4 rows for one token, 3 rows x up to 8 tokens for 2-8, 6 rows x
+# 4 tokens and one pass for the last 1-3 for more), other features the scalar tile. 48 and
+# 640: vector; 100: scalar.
 FEATURES = [48, 100, 640]
 
 
 @pytest.mark.parametrize("features", FEATURES)
-@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 7, 16])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12, 15, 16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_equals_torch_linear(features: int, tokens: int, bias: bool) -> None:
     torch.manual_seed(tokens)
     x = torch.randn(tokens, features)
-    # 70 rows: blocks of four (17, two left) or eight (8, six left) and the rest row by row
+    # 70 rows: blocks of four (17, two left), three (23, one left) or six (11, four left), the
+    # rest row by row
     w = torch.randn(70, features)
     b = torch.randn(70) if bias else None
     got = linear_cpu.CPULinear()(x, w, b)
