@@ -146,10 +146,9 @@ class PagedPrefillKernel:
 
         q [T, H, D] f32 (each token's heads contiguous, any token stride: a view into the
         step's fused projection is read in place); k, v [P, ps, KVH, D] f32 (one layer);
-        table [B, W] int64; meta
-        [4, N] int64: each prefill row's table row, first token, end token and length (the
-        keys it may attend, [0, length)); positions [T] int64. A token at position p attends
-        keys [p - window + 1, p] within [0, length).
+        table [B, W] int64; meta [4, N] int64: each prefill row's table row, first token, end
+        token and length (the keys it may attend, [0, length)); positions [T] int64. A token
+        at position p attends keys [p - window + 1, p] within [0, length).
         """
         if not (k.is_contiguous() and v.is_contiguous() and out.is_contiguous()):
             raise ValueError("paged kernel: the pool's K/V and the output must be contiguous")

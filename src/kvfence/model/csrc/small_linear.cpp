@@ -119,8 +119,8 @@ void vblocks(const float* x, const float* w, const float* bias, const float* res
 // registers: 24 sums, 3 weight vectors, a token's); more: 6 rows x 4 tokens (31: 24 sums, 6
 // weight vectors). Each pass after the first re-reads the block from cache and every sum
 // costs a horizontal add at the end, so more tokens a pass pays. A decode step's linears
-// (smollm, cold weights) at 5 / 8 / 12 / 16 tokens: 21.1 / 23.5 / 29.0 / 34.2 ms, against
-// 24.9 / 26.5 / 31.7 / 37.0 for the 8 rows x 2 tokens blocks before (stop 29, Xeon). AVX2
+// (smollm, cold weights) at 5 / 8 / 12 / 16 tokens: 22.2 / 24.5 / 30.2 / 34.6 ms, against
+// 25.3 / 27.0 / 31.9 / 37.1 for the 8 rows x 2 tokens blocks before (stop 29, Xeon). AVX2
 // has 16 half-width registers: one token in blocks of 4 rows (1.04-1.17x the scalar tile;
 // 2 rows: 0.82x), from two tokens the scalar tile (the vector path's 4 x 1 blocks ran 16
 // tokens at 0.3x its speed). Measured with -mno-avx512f on the AVX-512 machine.
