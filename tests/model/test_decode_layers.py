@@ -60,9 +60,9 @@ def _layer_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     forward = DecoderLayer.forward
 
-    def spy(self: DecoderLayer, *args: Any) -> torch.Tensor:
+    def spy(self: DecoderLayer, *args: Any, **kwargs: Any) -> torch.Tensor:
         calls.append(self.index)
-        return forward(self, *args)
+        return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(DecoderLayer, "forward", spy)
     return calls

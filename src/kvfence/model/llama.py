@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -75,8 +75,13 @@ class DecoderLayer(torch.nn.Module):
         parts: Sequence[_Part],
         cos: torch.Tensor,
         sin: torch.Tensor,
+        keep: _Keep | None = None,
     ) -> torch.Tensor:
-        """x [T, hidden] for every part's tokens: one matmul per weight, attention per pool."""
+        """x [T, hidden] for every part's tokens: one matmul per weight, attention per pool.
+
+        With `keep`, every token's K/V is still written but only the kept tokens attend,
+        project and run the MLP: the result is [len(keep.tokens), hidden].
+        """
         c = model.config
         t = x.shape[0]
         linear = model.linear
@@ -89,28 +94,37 @@ class DecoderLayer(torch.nn.Module):
         )
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, c.num_kv_heads, c.head_dim)
-        if len(parts) == 1:
-            o = self._attend(model, parts[0], q, k, v)
-        else:
-            o = torch.cat(
-                [
-                    self._attend(model, p, q[p.lo : p.hi], k[p.lo : p.hi], v[p.lo : p.hi])
-                    for p in parts
-                ]
+        for p in parts:  # each part's new K/V into its own pool, before any of them attends
+            model.backend.write(
+                p.pool, self.index, p.batch.slot_mapping, k[p.lo : p.hi], v[p.lo : p.hi]
             )
+        if keep is not None:
+            parts, q, x = keep.parts, q[keep.tokens], x[keep.tokens]
+        o = self._attend(model, parts, q)
         x = linear(o, self.o_weight, self.o_bias, residual=x)
         return linear.mlp(
             x, self.post_norm, c.rms_norm_eps,
             self.gate_up_weight, self.gate_up_bias, self.down_weight, self.down_bias,
         )  # fmt: skip
 
-    def _attend(
-        self, model: LlamaModel, part: _Part, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        """Write the part's new K/V into its own pool and attend through its verified tables."""
-        model.backend.write(part.pool, self.index, part.batch.slot_mapping, k, v)
-        return model.backend.attend(
-            part.pool, self.index, q, part.plan, scale=model.scale, window=self.window
+    def _attend(self, model: LlamaModel, parts: Sequence[_Part], q: torch.Tensor) -> torch.Tensor:
+        """Each part's queries through its own verified tables, in its own pool."""
+        b = model.backend
+        if len(parts) == 1:
+            p = parts[0]
+            return b.attend(p.pool, self.index, q, p.plan, scale=model.scale, window=self.window)
+        return torch.cat(
+            [
+                b.attend(
+                    p.pool,
+                    self.index,
+                    q[p.lo : p.hi],
+                    p.plan,
+                    scale=model.scale,
+                    window=self.window,
+                )
+                for p in parts
+            ]
         )
 
 
@@ -129,6 +143,34 @@ class _Part:
         if self.batch.all_logits:
             return torch.arange(self.lo, self.hi)
         return self.batch.query_starts[1:] - 1 + self.lo
+
+    def logit_part(self, backend: AttentionBackend, dtype: torch.dtype, lo: int) -> _Part:
+        """This part cut to the tokens it wants logits for, at [lo, ...) of the kept tokens.
+
+        Cut to each row's last token it is a decode-shaped batch over the same verified
+        page tables (`begin_step` ran on them) and the same lengths: that token attends the
+        keys it would have attended in the whole step.
+        """
+        if self.batch.all_logits:
+            return _Part(self.batch, self.pool, self.plan, lo, lo + self.hi - self.lo)
+        b = self.batch
+        last = b.query_starts[1:] - 1
+        cut = replace(
+            b,
+            input_ids=b.input_ids[last],
+            positions=b.positions[last],
+            slot_mapping=b.slot_mapping[last],
+            query_starts=torch.arange(b.num_rows + 1),
+        )
+        return _Part(cut, self.pool, backend.plan(self.pool, cut, dtype), lo, lo + b.num_rows)
+
+
+@dataclass(frozen=True, slots=True)
+class _Keep:
+    """The last layer's kept tokens (indices into the step's) and the parts cut to them."""
+
+    tokens: torch.Tensor
+    parts: list[_Part]
 
 
 class LlamaModel(CausalLM):
@@ -242,17 +284,39 @@ class LlamaModel(CausalLM):
                 else parts[0][0].input_ids
             )
             x = F.embedding(ids, self.embed)
-            fused = self._fused(x, steps, cos, sin)
-            if fused is not None:
-                x = fused
-            else:
-                for layer in self.layers:
-                    x = layer(x, self, steps, cos, sin)
             rows = [p.logit_rows() for p in steps]
+            keep = torch.cat(rows)
+            fused = self._fused(x, steps, cos, sin)
+            x = fused[keep] if fused is not None else self._layers(x, steps, keep, cos, sin)
             head = self.embed if self.lm_head is None else self.lm_head
-            x = x[torch.cat(rows)]
             logits = self.linear.normed(x, self.norm, self.config.rms_norm_eps, head).float()
             return list(logits.split([r.numel() for r in rows]))
+
+    def _layers(
+        self,
+        x: torch.Tensor,
+        steps: list[_Part],
+        keep: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """Every layer over the step's tokens, the last one's output only at `keep` [K, hidden].
+
+        Only the kept tokens' last hidden states reach the head, so the last layer writes
+        every token's K/V (later steps attend over them) but attends, projects and runs
+        its MLP for the kept tokens alone: in a prefill step, one token a prompt, which
+        saves about 1 / num_layers of the step's matmuls.
+        """
+        *body, last = self.layers
+        for layer in body:
+            x = layer(x, self, steps, cos, sin)
+        if keep.numel() == x.shape[0]:  # every token wants logits, in order
+            return last(x, self, steps, cos, sin)
+        parts, lo = [], 0
+        for p in steps:
+            parts.append(p.logit_part(self.backend, self.dtype, lo))
+            lo = parts[-1].hi
+        return last(x, self, steps, cos, sin, keep=_Keep(keep, parts))
 
     def _fused(
         self, x: torch.Tensor, steps: list[_Part], cos: torch.Tensor, sin: torch.Tensor
