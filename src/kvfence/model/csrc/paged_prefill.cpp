@@ -30,6 +30,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "spin_pool.h"
 #include "vec.h"
 
@@ -130,26 +134,110 @@ struct Job {
   int64_t t0, t1, kh;
 };
 
-// Scores of kRows query vectors (rows of q, D apart) against one transposed tile. Not
-// inlined: in the caller's frame GCC kept one accumulator on the stack, a store and a
-// reload in every step of the chain (perf annotate: 40% of the kernel's time).
-template <int D>
-__attribute__((noinline)) void score_tile(const float* q, const float* kt, vf* out) {
-  vf s0{}, s1{}, s2{}, s3{}, s4{}, s5{}, s6{}, s7{};
-  static_assert(kRows == 8, "one accumulator per query vector");
+// Scores of kRows query vectors (rows of q, D apart) against NT adjacent transposed tiles
+// (16 * NT keys; tile t's scores at out[t * kRows + i]). Not inlined: in the caller's
+// frame GCC kept one accumulator on the stack, a store and a reload in every step of the
+// chain (perf annotate: 40% of the kernel's time).
+template <int D, int NT>
+__attribute__((noinline)) void score_tiles(const float* q, const float* kt, vf* out) {
+  static_assert(kRows == 8, "one accumulator per query vector and tile");
+  vf s[NT][kRows];
+  for (int t = 0; t < NT; ++t)
+    for (int i = 0; i < kRows; ++i) s[t][i] = vf{};
   for (int d = 0; d < D; ++d) {
-    const vf kv = load(kt + d * kLanes);
-    s0 += q[d] * kv;
-    s1 += q[D + d] * kv;
-    s2 += q[2 * D + d] * kv;
-    s3 += q[3 * D + d] * kv;
-    s4 += q[4 * D + d] * kv;
-    s5 += q[5 * D + d] * kv;
-    s6 += q[6 * D + d] * kv;
-    s7 += q[7 * D + d] * kv;
+    vf kv[NT];
+    for (int t = 0; t < NT; ++t) kv[t] = load(kt + t * D * kLanes + d * kLanes);
+    for (int i = 0; i < kRows; ++i) {
+      const float qi = q[i * D + d];
+      for (int t = 0; t < NT; ++t) s[t][i] += qi * kv[t];
+    }
   }
-  out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
-  out[4] = s4, out[5] = s5, out[6] = s6, out[7] = s7;
+  for (int t = 0; t < NT; ++t)
+    for (int i = 0; i < kRows; ++i) out[t * kRows + i] = s[t][i];
+}
+
+// The bounds and buffers of one job, as the spans below see them.
+struct Block {
+  const float* qs;     // [Rp, D] scaled queries
+  float* acc;          // [Rp, D] running outputs
+  float* sum;          // [Rp, 16] running sums, lane by lane
+  float* mx;           // [Rp] running maxima
+  const int64_t* first;
+  const int64_t* last;
+  int64_t Rp;
+};
+
+// One span of NT tiles (keys [k0, k0 + n), n <= 16 * NT) against every query vector of
+// the block: scores, the online softmax's update, then the values. The softmax's
+// per-span work (the maximum, the rescale of the outputs) is paid once per NT tiles.
+template <int C, int NT>
+void attend_span(const Block& b, const float* kt, const float* const* vrow, int64_t k0,
+                 int64_t n) {
+  constexpr int D = C * kLanes, S = NT * kLanes;
+  vi lane;
+  for (int j = 0; j < kLanes; ++j) lane[j] = j;
+  alignas(64) float pbuf[kRows][S];
+  for (int64_t r0 = 0; r0 < b.Rp; r0 += kRows) {
+    bool any = false, whole = n == S;
+    for (int i = 0; i < kRows; ++i) {
+      const int64_t r = r0 + i;
+      any |= b.last[r] >= k0 && b.first[r] < k0 + n;
+      whole &= b.first[r] <= k0 && b.last[r] >= k0 + S - 1;
+    }
+    if (!any) continue;
+    vf sc[NT * kRows];
+    score_tiles<D, NT>(b.qs + r0 * D, kt, sc);
+    for (int i = 0; i < kRows; ++i) {
+      const int64_t r = r0 + i;
+      vi live[NT];
+      vf m = splat(kNegInf);
+      for (int t = 0; t < NT; ++t) {
+        vf& x = sc[t * kRows + i];
+        if (!whole) {  // lane j of tile t attends iff first[r] <= k0 + 16 t + j <= last[r]
+          const vi kp = lane + static_cast<int32_t>(k0 + t * kLanes);
+          live[t] = (kp >= static_cast<int32_t>(b.first[r])) &
+                    (kp <= static_cast<int32_t>(b.last[r]));
+          x = live[t] ? x : splat(kNegInf);
+        }
+        m = vmax(m, x);
+      }
+      const float span_max = hmax(m);
+      if (span_max == kNegInf) {
+        for (int t = 0; t < NT; ++t) store(pbuf[i] + t * kLanes, vf{});
+        continue;
+      }
+      const float m_new = span_max > b.mx[r] ? span_max : b.mx[r];
+      vf total{};
+      for (int t = 0; t < NT; ++t) {
+        vf p = exp_vec(sc[t * kRows + i] - m_new);
+        if (!whole) p = live[t] ? p : vf{};  // exactly 0, not exp(-87)
+        store(pbuf[i] + t * kLanes, p);
+        total += p;
+      }
+      const float alpha = b.mx[r] == kNegInf ? 0.0f : kvf::exp_nonpositive(b.mx[r] - m_new);
+      store(b.sum + r * kLanes, load(b.sum + r * kLanes) * alpha + total);
+      b.mx[r] = m_new;
+      if (alpha != 1.0f) {
+        float* a = b.acc + r * D;
+        for (int c = 0; c < C; ++c) store(a + c * kLanes, load(a + c * kLanes) * alpha);
+      }
+    }
+    for (int h = 0; h < kRows; h += 4) {  // values, 4 query vectors at a time
+      vf o[4][C];
+      for (int i = 0; i < 4; ++i)
+        for (int c = 0; c < C; ++c) o[i][c] = load(b.acc + (r0 + h + i) * D + c * kLanes);
+      for (int64_t j = 0; j < n; ++j) {
+        vf vv[C];
+        for (int c = 0; c < C; ++c) vv[c] = load(vrow[j] + c * kLanes);
+        for (int i = 0; i < 4; ++i) {
+          const float w = pbuf[h + i][j];
+          for (int c = 0; c < C; ++c) o[i][c] += w * vv[c];
+        }
+      }
+      for (int i = 0; i < 4; ++i)
+        for (int c = 0; c < C; ++c) store(b.acc + (r0 + h + i) * D + c * kLanes, o[i][c]);
+    }
+  }
 }
 
 // Pass 2, one job. Its query vectors are r = token * G + g.
@@ -183,66 +271,20 @@ void attend_block(const Job& job, const Layout& s, std::vector<float>& scratch,
   std::fill(acc, acc + Rp * D, 0.0f);
   std::fill(mx, mx + Rp, kNegInf);
   std::fill(sum, sum + Rp * kLanes, 0.0f);
-  vi lane;
-  for (int j = 0; j < kLanes; ++j) lane[j] = j;
+  const Block b{qs, acc, sum, mx, first, last, Rp};
   const float* kts = row.kt + job.kh * row.tiles * D * kLanes;
-  for (int64_t tile = lo / kLanes; tile * kLanes < hi; ++tile) {
-    const int64_t k0 = tile * kLanes;
-    const float* kt = kts + tile * D * kLanes;
-    const int64_t n = std::min<int64_t>(kLanes, hi - k0);
-    const float* vrow[kLanes];
+  const float* vrow[2 * kLanes];
+  // Spans of two tiles where two remain below hi, else one.
+  for (int64_t tile = lo / kLanes; tile * kLanes < hi;) {
+    const int64_t k0 = tile * kLanes, n = std::min<int64_t>(2 * kLanes, hi - k0);
     for (int64_t j = 0; j < n; ++j) vrow[j] = s.v + row.voff[k0 + j] + job.kh * D;
-    for (int64_t r0 = 0; r0 < Rp; r0 += kRows) {
-      bool any = false, whole = n == kLanes;
-      for (int i = 0; i < kRows; ++i) {
-        const int64_t r = r0 + i;
-        any |= last[r] >= k0 && first[r] < k0 + n;
-        whole &= first[r] <= k0 && last[r] >= k0 + kLanes - 1;
-      }
-      if (!any) continue;
-      vf sc[kRows];
-      score_tile<D>(qs + r0 * D, kt, sc);
-      vf pr[kRows];
-      for (int i = 0; i < kRows; ++i) {
-        const int64_t r = r0 + i;
-        vi live{};
-        if (!whole) {  // lane j attends iff first[r] <= k0 + j <= last[r]
-          const vi kp = lane + static_cast<int32_t>(k0);
-          live = (kp >= static_cast<int32_t>(first[r])) & (kp <= static_cast<int32_t>(last[r]));
-          sc[i] = live ? sc[i] : splat(kNegInf);
-        }
-        const float tile_max = hmax(sc[i]);
-        if (tile_max == kNegInf) {
-          pr[i] = vf{};
-          continue;
-        }
-        const float m_new = tile_max > mx[r] ? tile_max : mx[r];
-        vf p = exp_vec(sc[i] - m_new);
-        if (!whole) p = live ? p : vf{};  // exactly 0, not exp(-87)
-        const float alpha = mx[r] == kNegInf ? 0.0f : kvf::exp_nonpositive(mx[r] - m_new);
-        store(sum + r * kLanes, load(sum + r * kLanes) * alpha + p);
-        mx[r] = m_new;
-        if (alpha != 1.0f) {
-          float* a = acc + r * D;
-          for (int c = 0; c < C; ++c) store(a + c * kLanes, load(a + c * kLanes) * alpha);
-        }
-        pr[i] = p;
-      }
-      for (int h = 0; h < kRows; h += 4) {  // values, 4 query vectors at a time
-        vf o[4][C];
-        for (int i = 0; i < 4; ++i)
-          for (int c = 0; c < C; ++c) o[i][c] = load(acc + (r0 + h + i) * D + c * kLanes);
-        for (int64_t j = 0; j < n; ++j) {
-          vf vv[C];
-          for (int c = 0; c < C; ++c) vv[c] = load(vrow[j] + c * kLanes);
-          for (int i = 0; i < 4; ++i) {
-            const float w = pr[h + i][j];
-            for (int c = 0; c < C; ++c) o[i][c] += w * vv[c];
-          }
-        }
-        for (int i = 0; i < 4; ++i)
-          for (int c = 0; c < C; ++c) store(acc + (r0 + h + i) * D + c * kLanes, o[i][c]);
-      }
+    const float* kt = kts + tile * D * kLanes;
+    if (n > kLanes) {
+      attend_span<C, 2>(b, kt, vrow, k0, n);
+      tile += 2;
+    } else {
+      attend_span<C, 1>(b, kt, vrow, k0, n);
+      tile += 1;
     }
   }
   for (int64_t r = 0; r < R; ++r) {
