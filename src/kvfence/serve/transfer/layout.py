@@ -95,10 +95,8 @@ class Outgoing:
         starts = np.flatnonzero(np.concatenate([[True], ~follows]))
         ends = np.concatenate([starts[1:], [len(k)]])
         sums = np.concatenate([[0], np.cumsum(n)])
-        return [
-            (int(k[a]), int(s[a]), int(d[a]), int(sums[b] - sums[a]))
-            for a, b in zip(starts, ends, strict=True)
-        ]
+        cols = (k[starts], s[starts], d[starts], sums[ends] - sums[starts])
+        return list(zip(*(c.tolist() for c in cols), strict=True))
 
 
 def prepare_outgoing(
@@ -167,13 +165,35 @@ def copy_runs_into(
     """Write a prepared transfer straight into destination memory; return the source checksum.
 
     The checksum covers the canonical source runs (what the manifest promises),
-    computed chunk by chunk right after each chunk is copied, so it costs no
-    extra pass over memory when the copy follows the canonical order.
+    computed right after each piece is copied, so it costs no extra pass over memory.
+    Where the copy runs still follow the canonical order (they split it only where the
+    destination is not contiguous) each run is copied and hashed as it stands; where
+    the arrays changed after `prepare_outgoing` (the lab's faults do), a cursor walks
+    the canonical runs beside the copy instead.
     """
+    runs = out.copy_runs()
+    if out.src_runs() != out.canonical:
+        return _copy_beside_cursor(out, runs, dst, src)
+    h = StreamChecksum()
+    update = h.update
+    for kind, s, d, n in runs:
+        for start in range(s, s + n, COPY_CHUNK):
+            piece = src[kind][start : min(start + COPY_CHUNK, s + n)]
+            dst[kind][d + start - s : d + start - s + len(piece)] = piece
+            update(piece)
+    return h.hexdigest()
+
+
+def _copy_beside_cursor(
+    out: Outgoing,
+    runs: list[tuple[int, int, int, int]],
+    dst: tuple[memoryview, memoryview],
+    src: tuple[memoryview, memoryview],
+) -> str:
     dst_np = (np.frombuffer(dst[0], np.uint8), np.frombuffer(dst[1], np.uint8))
     src_np = (np.frombuffer(src[0], np.uint8), np.frombuffer(src[1], np.uint8))
     cursor = ChecksumCursor(out.canonical, src)
-    for kind, s, d, n in out.copy_runs():
+    for kind, s, d, n in runs:
         for start in range(0, n, COPY_CHUNK):
             m = min(COPY_CHUNK, n - start)
             np.copyto(
