@@ -36,7 +36,7 @@ print(kept, during.hblkhd - before.hblkhd, after.arena >= 4 << 20)
 """
 
 glibc = pytest.mark.skipif(
-    not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"), reason="glibc's malloc only"
+    not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"), reason="glibc's malloc only"
 )
 
 

@@ -70,7 +70,7 @@ def keep_freed_heap() -> bool:
     ):
         return False
     try:
-        if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
+        if not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"):
             return False
     except (AttributeError, ValueError, OSError):
         return False
