@@ -16,9 +16,11 @@
 // where each key's value lies; it is the only pass that reads the table. Pass 2 runs
 // one job per (row, KV head, block of 16 query tokens): the block's tokens times the
 // KV head's query group are its query vectors, and a score tile of 8 of them is D
-// fused multiply-adds of a broadcast query element by a vector of 16 keys. The
-// softmax is online (a running maximum and sum per query vector), the exp the
-// polynomial of vec.h on whole vectors; only tiles that cross a query's position
+// fused multiply-adds of a broadcast query element by a vector of 16 keys. Keys are
+// taken in spans of two tiles where two remain (32 keys: one maximum, one rescale of
+// the outputs per span, and two independent accumulators per query vector), else one.
+// The softmax is online (a running maximum and sum per query vector), the exp the
+// polynomial of vec.h on whole vectors; only spans that cross a query's position
 // pay for a mask. Jobs are taken longest first (the blocks at the end of a prompt
 // attend the most keys) on the spin pool's threads. bench/prefill.py measures it
 // against torch's SDPA over the gathered pages.
