@@ -168,8 +168,9 @@ def copy_runs_into(
     computed right after each piece is copied, so it costs no extra pass over memory.
     Where the copy runs still follow the canonical order (they split it only where the
     destination is not contiguous) each run is copied and hashed as it stands; where
-    the arrays changed after `prepare_outgoing` (the lab's faults do), a cursor walks
-    the canonical runs beside the copy instead.
+    the arrays changed after `prepare_outgoing` (the transport tests tamper with them:
+    a truncated, duplicated or reordered payload), a cursor walks the canonical runs
+    beside the copy instead.
     """
     runs = out.copy_runs()
     if out.src_runs() != out.canonical:
