@@ -11,7 +11,6 @@ import ctypes
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -20,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+
+from kvfence.serve.supervisor import free_port as free_port  # drawn below the ephemeral range
 
 from .cache import PeerCache
 from .gguf import convert_to_gguf
@@ -35,13 +36,6 @@ _LLAMA_SLOTS_RE = re.compile(
 
 class PeerStartError(RuntimeError):
     """The peer exited or did not become ready in time; the message carries its log tail."""
-
-
-def free_port() -> int:
-    """A port the kernel just handed out for 127.0.0.1 (bound to 0, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def vllm_pool_tokens(log: str) -> int | None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from kvfence.serve.supervisor import free_port
 
 KEY_A = "audit-tenant-a-0123456789"
 KEY_B = "audit-tenant-b-0123456789"
@@ -34,13 +35,6 @@ class Server:
     url: str
     proc: subprocess.Popen[bytes]
     log: Path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def start(

@@ -10,7 +10,6 @@ content probes through the router.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from kvfence.audit.base import AuditContext, Verdict, run_check
 from kvfence.audit.capacity import CapacityCheck
 from kvfence.audit.targets.registry import detect
 from kvfence.cli import main
+from kvfence.serve.supervisor import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -45,12 +45,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     kvfence = Path(sys.executable).with_name("kvfence")
     subprocess.run([str(kvfence), "make-model", str(out)], check=True, capture_output=True)
     return str(out)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from kvfence.serve.supervisor import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -53,13 +54,6 @@ def require_prometheus() -> tuple[str, str]:
     if os.environ.get("KVFENCE_REQUIRE_PROMETHEUS") == "1":
         pytest.fail(reason + "; KVFENCE_REQUIRE_PROMETHEUS=1 forbids skipping")
     pytest.skip(reason)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

@@ -11,8 +11,8 @@ below are the public `--lab-fault` command-line switches, not imports).
 from __future__ import annotations
 
 import json
+import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -56,17 +56,37 @@ INCIDENT = (
 HARDENED = ("--kv-pages", "prefill=64,decode=64")
 
 
+# The line `kvfence serve` prints once it listens (serve/cli.py: announce).
+ANNOUNCED = re.compile(rb"kvfence serving \S+ at (http://\S+)")
+
+
 @dataclass(frozen=True, slots=True)
 class EmbeddedServer:
     name: str
     url: str
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+@dataclass(frozen=True, slots=True)
+class Starting:
+    """A `kvfence serve` started with `--port 0`: it binds a port of the OS's choosing and
+    says which once it listens. A port picked free here and handed over was free only until
+    the server bound it, and another process could take it first."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def announced(self) -> str | None:
+        """The URL the server said it listens at, or None while it has not said."""
+        m = ANNOUNCED.search(self.log.read_bytes())
+        return m.group(1).decode() if m else None
+
+    def exited(self) -> str | None:
+        """Why the server is gone (its code and the end of its log), or None while it runs."""
+        if (code := self.proc.poll()) is None:
+            return None
+        tail = self.log.read_text(errors="replace").splitlines()[-20:]
+        return f"embedded server {self.name} exited with code {code}:\n" + "\n".join(tail)
 
 
 def _write_tenants(workdir: Path) -> Path:
@@ -86,25 +106,24 @@ def _write_tenants(workdir: Path) -> Path:
 
 
 @contextmanager
-def started_all(
-    specs: Sequence[tuple[str, Sequence[str]]], root: Path
-) -> Iterator[list[EmbeddedServer]]:
+def started_all(specs: Sequence[tuple[str, Sequence[str]]], root: Path) -> Iterator[list[Starting]]:
     """`kvfence serve` processes (name, extra args), started together and stopped together:
-    every one is told to stop before any is waited for, so their shutdowns overlap."""
+    every one is told to stop before any is waited for, so their shutdowns overlap. Each is
+    `Starting` until `wait_ready` has its URL and a 200 from /health."""
     procs: list[subprocess.Popen[bytes]] = []
-    servers: list[EmbeddedServer] = []
+    servers: list[Starting] = []
     with ExitStack() as logs, _terminate_unwinds():
         try:
             for name, args in specs:
                 workdir = root / name
                 workdir.mkdir()
-                port = _free_port()
                 cmd = [sys.executable, "-c", "from kvfence.cli import main; main()", "serve"]
-                cmd += ["--port", str(port), "--tenants", str(_write_tenants(workdir))]
+                cmd += ["--port", "0", "--tenants", str(_write_tenants(workdir))]
                 cmd += [*COMMON, *args]
-                log = logs.enter_context(open(workdir / f"{name}.log", "wb"))
+                log_path = workdir / f"{name}.log"
+                log = logs.enter_context(open(log_path, "wb"))
                 procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
-                servers.append(EmbeddedServer(name, f"http://127.0.0.1:{port}"))
+                servers.append(Starting(name, procs[-1], log_path))
             yield servers
         finally:
             _stop_all(procs)
@@ -141,17 +160,24 @@ def _stop_all(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 20.0)
             proc.wait()
 
 
-def wait_ready(server: EmbeddedServer, timeout_s: float = 180.0) -> None:
+def wait_ready(server: Starting, timeout_s: float = 180.0) -> EmbeddedServer:
+    """The server once it has said where it listens and answers /health with 200; an error
+    with its log's end as soon as it exits, and one naming it at the deadline."""
     deadline = time.monotonic() + timeout_s
+    url = None
     while time.monotonic() < deadline:
-        try:
-            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.3)
-            continue
-        time.sleep(0.3)
-    raise RuntimeError(f"embedded server {server.name} did not become ready at {server.url}")
+        if (gone := server.exited()) is not None:
+            raise RuntimeError(gone)
+        url = url or server.announced()
+        if url is not None:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    return EmbeddedServer(server.name, url)
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.1 if url is None else 0.3)
+    where = f"at {url}" if url else "(it never said where it listens)"
+    raise RuntimeError(f"embedded server {server.name} did not become ready {where}")
 
 
 def audit_embedded(
@@ -167,13 +193,14 @@ def audit_embedded(
     specs = (("workers-ai-2026", INCIDENT), ("hardened", HARDENED))
     with (
         tempfile.TemporaryDirectory(prefix="kvfence-embedded-") as tmp,
-        started_all(specs, Path(tmp)) as servers,
+        started_all(specs, Path(tmp)) as starting,
     ):
         preload_checks(checks)  # while the servers import torch and load their models
-        for s in servers:
+        servers = []
+        for s in starting:
             if progress is not None:
-                progress(f"starting {s.name} at {s.url}", None)
-            wait_ready(s)
+                progress(f"starting {s.name}", None)
+            servers.append(wait_ready(s))
         ctx = AuditContext(
             key_a=KEY_A,
             key_b=KEY_B,

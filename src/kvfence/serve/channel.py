@@ -8,7 +8,8 @@ never raised into the worker's loop (a malformed message must not crash a
 worker).
 
 The same classes run in one process over `inproc://` addresses (tests, the
-single-process mode when it wants real sockets) and across hosts over `tcp://`.
+single-process mode when it wants real sockets), between the roles on one host over
+`ipc://` paths (serve/pd/launch.py), and across hosts over `tcp://`.
 """
 
 from __future__ import annotations

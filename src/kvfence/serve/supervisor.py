@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,13 +23,48 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS says is free now (bind to port 0)."""
+# Linux's default ip_local_port_range, where outgoing connections and binds to port 0 draw.
+EPHEMERAL_DEFAULT = (32768, 60999)
+# Ports picked by `free_port` lie in [LOW_PORT, the ephemeral range's start), when that is
+# at least 4,096 ports (services conventionally sit lower: 8000, 9090, 5432 ...).
+LOW_PORT = 20000
+
+
+def ephemeral_range(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> tuple[int, int]:
+    """The kernel's ephemeral port range, or Linux's default where it cannot be read."""
+    try:
+        lo, hi = (int(x) for x in path.read_text().split())
+    except (OSError, ValueError):
+        return EPHEMERAL_DEFAULT
+    return lo, hi
+
+
+def free_port(host: str = "127.0.0.1", tries: int = 64) -> int:
+    """A port that is free now, for a program that must be told its port number (SGLang's
+    router, Prometheus). Where a program takes port 0 and says what it bound, as `kvfence
+    serve` does, start it that way instead: a port is free only until someone binds it.
+
+    The pick is random below the kernel's ephemeral range, so that in the window before
+    the program binds it, no outgoing connection's source port and no other bind to port 0
+    can land on it, as they can on a port the OS handed out from that range (the range
+    busy tests and servers draw from all the time). Where there is no room below the range,
+    the OS picks (bind to port 0)."""
+    lo, _ = ephemeral_range()
+    rng = random.SystemRandom()
+    for _ in range(tries if lo - LOW_PORT >= 4096 else 0):
+        port = rng.randrange(LOW_PORT, lo)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue  # in use (or lingering): draw another
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

@@ -20,8 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvfence.serve.pd.spec import RouterSpec, WorkerSpec, write_spec
-from kvfence.serve.supervisor import ChildSpec, Supervisor, free_port
+from kvfence.serve.supervisor import ChildSpec, Supervisor
 from kvfence.serve.tenants import TenantRegistry
+
+# libzmq copies an ipc:// path into a sockaddr_un: 108 bytes with the terminating NUL.
+IPC_PATH_MAX = 107
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,15 +36,25 @@ class Loopback:
     decode: tuple[str, ...]
 
     @classmethod
-    def pick(cls, n_prefill: int, n_decode: int) -> Loopback:
+    def pick(cls, n_prefill: int, n_decode: int, sock_dir: Path) -> Loopback:
+        """Unix-socket inboxes in `sock_dir`, the supervisor's private (0700) directory.
+
+        Not TCP ports on 127.0.0.1: a port picked free here was only free until a worker
+        bound it, and another process's bind or outgoing connection could take it first
+        (CI saw "Address already in use"). A path in a directory this process made is
+        nobody else's, and no other local user can reach an inbox through it either."""
         if n_prefill < 1 or n_decode < 1:
             raise ValueError("--prefill and --decode need at least one worker each")
-        loop = "tcp://127.0.0.1"
-        return cls(
-            f"{loop}:{free_port()}",
-            tuple(f"{loop}:{free_port()}" for _ in range(n_prefill)),
-            tuple(f"{loop}:{free_port()}" for _ in range(n_decode)),
-        )
+        names = ["router", *(f"prefill-{i}" for i in range(n_prefill))]
+        names += [f"decode-{i}" for i in range(n_decode)]
+        paths = [str(sock_dir / f"{name}.sock") for name in names]
+        if len(longest := max(paths, key=len).encode()) > IPC_PATH_MAX:
+            raise ValueError(
+                f"the control socket path {longest.decode()!r} is {len(longest)} bytes, over "
+                f"the {IPC_PATH_MAX} a Unix socket takes: set TMPDIR to a shorter directory"
+            )
+        addrs = [f"ipc://{path}" for path in paths]
+        return cls(addrs[0], tuple(addrs[1 : 1 + n_prefill]), tuple(addrs[1 + n_prefill :]))
 
 
 # Builds a worker's spec from its role, its inbox and the router's inbox.
@@ -89,8 +102,8 @@ def run_disaggregated(
 ) -> int:
     """Supervise every role (workers first, the router last); Ctrl-C or any role's exit stops
     them all. Every spec is built and validated before the first child starts."""
-    addrs = Loopback.pick(n_prefill, n_decode)
     with tempfile.TemporaryDirectory(prefix="kvfence-pd-") as tmp:
+        addrs = Loopback.pick(n_prefill, n_decode, Path(tmp))
         router = router_child(router_for(addrs), tenants, Path(tmp))
         children = [*worker_children(spec_for, addrs, Path(tmp)), router]
         return Supervisor(children).run_until_done()
