@@ -16,9 +16,9 @@ def test_the_linear_kernel_is_built_for_this_source() -> None:
 
 
 # The kernel's two paths (csrc/small_linear.cpp): features a multiple of 16 take the vector
-# path (on AVX-512 blocks of 4 rows for one token, 3 rows x up to 8 tokens for 2-8, 6 rows x
-# 4 tokens and one pass for the last 1-3 for more), other features the scalar tile. 48 and
-# 640: vector; 100: scalar.
+# path (on AVX-512 one row at a time for one token, 3 rows x up to 8 tokens for 2-8, 6 rows x
+# 4 tokens and one pass for the last 1-3 for more), other features, and every step on AVX2,
+# the scalar tile. 48 and 640: vector (on AVX-512); 100: scalar.
 FEATURES = [48, 100, 640]
 
 
@@ -35,6 +35,39 @@ def test_kernel_equals_torch_linear(features: int, tokens: int, bias: bool) -> N
     got = linear_cpu.CPULinear()(x, w, b)
     assert got.shape == (tokens, 70)
     assert torch.allclose(got, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+def _avx512() -> bool:
+    # The kernels are built with -march=native: this machine's flags are the build's.
+    with open("/proc/cpuinfo") as f:
+        return " avx512f" in f.read()
+
+
+@pytest.mark.parametrize("features", [640, 100])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_token_gets_the_same_bits_whatever_else_is_in_the_step(
+    features: int, threads: int
+) -> None:
+    # Batch invariance: a token's outputs do not depend on how many other tokens share the
+    # call, so a tenant's greedy output does not move with another tenant's decode load.
+    # Every block shape (3 x 8; 6 x 4 and the one-pass rest; on AVX-512 4 x 1 for one token)
+    # and the rows left after the blocks must sum each output as the same chain over K. On
+    # AVX2 one token takes the vector path and more the scalar tile (csrc/small_linear.cpp):
+    # there it holds from two tokens.
+    torch.manual_seed(features)
+    # 18 tokens: cut into calls of 2-16 tokens, no call is left with just one
+    x, w, b = torch.randn(18, features), torch.randn(70, features), torch.randn(70)
+    first = 1 if _avx512() or features % 16 else 2
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        linear = linear_cpu.CPULinear()
+        alone = torch.cat([linear(x[i : i + first], w, b) for i in range(0, 18, first)])
+        for tokens in (2, 3, 5, 8, 9, 12, 15, 16):
+            together = torch.cat([linear(x[i : i + tokens], w, b) for i in range(0, 18, tokens)])
+            assert torch.equal(together, alone), tokens
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 16])

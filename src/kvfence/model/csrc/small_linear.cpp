@@ -7,8 +7,10 @@
 // every weight byte is read once per step, on the decode kernels' threads
 // (spin_pool.h), each thread taking its own blocks of weight rows. Two paths: the
 // vector path (vtile: a block of rows against a few tokens in vector registers, the
-// next block prefetched) for K a multiple of 16, and the scalar tile (four rows by four
-// tokens, `omp simd`) for other K, or all K when `vector` is 0 (bench, tests). Built
+// next block prefetched) for K a multiple of 16 (on AVX2 only for one token), and the
+// scalar tile (four rows by four tokens, `omp simd`) for other K, or all K when `vector` is 0
+// (bench, tests). On AVX-512 a token's outputs have the same bits whatever the step's
+// other tokens, up to SMALL_TOKENS (kvfence.model.linear_cpu); on AVX2 from 2 tokens. Built
 // with paged_decode.cpp into one library (kvfence.model.paged_cpu) and called through
 // kvfence.model.linear_cpu; prefill-sized batches go to oneDNN.
 #include <cmath>
@@ -115,15 +117,24 @@ void vblocks(const float* x, const float* w, const float* bias, const float* res
 }
 
 // The vector path's blocks. AVX-512 (32 registers): 4 rows for one token (8 x 1 was 7%
-// slower); 2-8 tokens: 3 rows x 8 tokens, every token in one pass over the block (28
-// registers: 24 sums, 3 weight vectors, a token's); more: 6 rows x 4 tokens (31: 24 sums, 6
-// weight vectors). Each pass after the first re-reads the block from cache and every sum
-// costs a horizontal add at the end, so more tokens a pass pays. A decode step's linears
-// (smollm, cold weights) at 5 / 8 / 12 / 16 tokens: 22.2 / 24.5 / 30.2 / 34.6 ms, against
-// 25.3 / 27.0 / 31.9 / 37.1 for the 8 rows x 2 tokens blocks before (stop 29, Xeon). AVX2
-// has 16 half-width registers: one token in blocks of 4 rows (1.04-1.17x the scalar tile;
-// 2 rows: 0.82x), from two tokens the scalar tile (the vector path's 4 x 1 blocks ran 16
-// tokens at 0.3x its speed). Measured with -mno-avx512f on the AVX-512 machine.
+// slower; one row at a time, a single sequential stream with no software prefetch, was
+// 0.65-1.08x as fast in paired runs on an AMD EPYC (Zen 4), stop 30, worst on down, K =
+// 1536, and while the host let memory stream fastest); 2-8 tokens: 3 rows x 8 tokens,
+// every token in one pass over the block (28 registers: 24 sums, 3 weight vectors, a
+// token's); more: 6 rows x 4 tokens (31: 24 sums, 6 weight vectors). Each pass after the
+// first re-reads the block from cache and every sum costs a horizontal add at the end, so
+// more tokens a pass pays. A decode step's linears (smollm, cold weights) at 5 / 8 / 12 /
+// 16 tokens: 22.2 / 24.5 / 30.2 / 34.6 ms, against 25.3 / 27.0 / 31.9 / 37.1 for the 8
+// rows x 2 tokens blocks before (stop 29, Xeon).
+//
+// AVX2 has 16 half-width registers: one token in blocks of 4 rows (1.04-1.17x the scalar
+// tile; 2 rows: 0.82x), from two tokens the scalar tile (the vector path's 4 x 1 blocks ran
+// 16 tokens at 0.3x its speed; 2 x 2 blocks: 0.77x at 2 tokens, 0.27x at 16, stop 30).
+// Measured with -mno-avx512f on the AVX-512 machines. So on AVX2 a token alone gets other
+// bits than beside others (the tile sums in another order); on AVX-512 every shape sums
+// each output as the same chain. Taking the tile for one token too would give AVX2 that
+// invariance for 5-13% of a one-token step's linears (stop 30); it is not taken, as no
+// engine keeps it across the prefill-sized steps (oneDNN) that mix prompts with decode.
 #ifdef __AVX512F__
 constexpr int kOneRows = 4, kFewRows = 3, kFewTokens = 8, kRows = 6, kTokens = 4;
 constexpr int64_t kVectorTokens = std::numeric_limits<int64_t>::max();
@@ -150,7 +161,16 @@ void vector_rows(const float* x, const float* w, const float* bias, const float*
   }
 }
 
-// The last N % R rows (fewer than a block), any K.
+// The vector path's last N % R rows (fewer than a block), one at a time: each output the
+// same chain of vector sums over K as a block's, so a token's outputs are bitwise the same
+// whichever block shape its step takes (batch invariance; a scalar loop here gave, for N
+// not a multiple of 3 or 6, those rows other bits at 2-16 tokens than alone).
+void vector_rows_left(const float* x, const float* w, const float* bias, const float* res,
+                      float* out, int64_t M, int64_t N, int64_t K) {
+  vblocks<1, kFewTokens>(x, w, bias, res, out, M, N / block_rows(M) * block_rows(M), N, N, K);
+}
+
+// The scalar tile's last N % 4 rows (fewer than a tile), any K.
 void rows_left(const float* x, const float* w, const float* bias, const float* res,
                float* out, int64_t M, int64_t n0, int64_t N, int64_t K) {
   for (int64_t n = n0; n < N; ++n) {
@@ -198,7 +218,7 @@ extern "C" void kvf_small_linear(const float* x, const float* w, const float* bi
     kvf::parallel_parts(threads, [&](int part, int parts) {
       vector_rows(x, w, bias, res, out, M, part, parts, N, K);
     });
-    rows_left(x, w, bias, res, out, M, N / block_rows(M) * block_rows(M), N, K);
+    vector_rows_left(x, w, bias, res, out, M, N, K);
     return;
   }
   const int64_t blocks = N / 4;
