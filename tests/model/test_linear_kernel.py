@@ -16,9 +16,9 @@ def test_the_linear_kernel_is_built_for_this_source() -> None:
 
 
 # The kernel's two paths (csrc/small_linear.cpp): features a multiple of 16 take the vector
-# path (on AVX-512 one row at a time for one token, 3 rows x up to 8 tokens for 2-8, 6 rows x
-# 4 tokens and one pass for the last 1-3 for more), other features, and every step on AVX2,
-# the scalar tile. 48 and 640: vector (on AVX-512); 100: scalar.
+# path (on AVX-512 blocks of 4 rows for one token, 3 rows x up to 8 tokens for 2-8, 6 rows x
+# 4 tokens and one pass for the last 1-3 for more; on AVX2 only one token), other features
+# the scalar tile. 48 and 640: vector; 100: scalar.
 FEATURES = [48, 100, 640]
 
 
