@@ -58,16 +58,12 @@ def test_a_token_gets_the_same_bits_whatever_else_is_in_the_step(
     # 18 tokens: cut into calls of 2-16 tokens, no call is left with just one
     x, w, b = torch.randn(18, features), torch.randn(70, features), torch.randn(70)
     first = 1 if _avx512() or features % 16 else 2
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        linear = linear_cpu.CPULinear()
-        alone = torch.cat([linear(x[i : i + first], w, b) for i in range(0, 18, first)])
-        for tokens in (2, 3, 5, 8, 9, 12, 15, 16):
-            together = torch.cat([linear(x[i : i + tokens], w, b) for i in range(0, 18, tokens)])
-            assert torch.equal(together, alone), tokens
-    finally:
-        torch.set_num_threads(before)
+    torch.set_num_threads(threads)  # conftest's autouse fixture restores it
+    linear = linear_cpu.CPULinear()
+    alone = torch.cat([linear(x[i : i + first], w, b) for i in range(0, 18, first)])
+    for tokens in (2, 3, 5, 8, 9, 12, 15, 16):
+        together = torch.cat([linear(x[i : i + tokens], w, b) for i in range(0, 18, tokens)])
+        assert torch.equal(together, alone), tokens
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 16])
