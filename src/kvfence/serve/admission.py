@@ -16,7 +16,9 @@ limits, ...): a credential belongs in `authenticate`, a limit in `admit` or
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kvfence.engine.messages import MessageError, SamplingParams
 from kvfence.model.tokenizer import Tokenizer
@@ -24,11 +26,35 @@ from kvfence.serve import protocol
 from kvfence.serve.config import Capacity, ServeConfig
 from kvfence.serve.errors import ApiError, bad_request
 from kvfence.serve.fields import load_json
-from kvfence.serve.limits import AdmissionLimits
+from kvfence.serve.limits import AdmissionLimits, default_limits
 from kvfence.serve.protocol import GenerationRequest, Kind
 from kvfence.serve.tenants import TenantRegistry
+from kvfence.serve.tokenizing import INLINE_BYTES, TokenizerPool, encoded_ahead
 
-BODY_FLOOR = 16 * 1024 * 1024  # bytes a body may always have; plus 32 per context token
+# The body limit: a floor every server takes, plus room per context token. A prompt that
+# fills the context as token ids ("151643, ": 8 bytes a token) or as text (about 4 bytes a
+# token; \uXXXX escapes 6 a character) fits several times over, and no body is bigger than
+# that for long: a 10 MB body is refused from its Content-Length below ~290k tokens of context.
+BODY_FLOOR = 1024 * 1024
+BODY_BYTES_PER_TOKEN = 32
+# Unicode normalization (NFC, NFKC) can fold up to 3 code points into one (Hangul jamo,
+# stacked diacritics) before the tokenizer sees them: room for 4 keeps the bound an upper one.
+CHARS_FOLDED = 4
+# Some tokenizers map a whole overlong word to one unknown token (WordPiece: 100 characters).
+MIN_TOKEN_CHARS = 128
+
+
+def body_limit_for(context_length: int) -> int:
+    """The largest request body read for a model of `context_length` tokens, in bytes."""
+    return BODY_FLOOR + BODY_BYTES_PER_TOKEN * context_length
+
+
+def longest_token_chars(tokenizer: Tokenizer) -> int:
+    """An upper bound on the characters one token covers (its vocabulary string's length:
+    byte-level vocabularies spell a token with one character per byte, and a character is at
+    least a byte)."""
+    vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+    return max(MIN_TOKEN_CHARS, max((len(t) for t in vocab), default=0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,12 +82,45 @@ class Admission:
         self.config = config
         self.capacity = capacity
         self.tenants = tenants
-        self.limits = AdmissionLimits(tenants.limits())
+        self.limits = AdmissionLimits(tenants.limits(), default_limits(capacity))
+        self.pool = TokenizerPool()
+        # A text longer than this cannot fit the context whatever it holds: refused before
+        # tokenizing, so neither the time nor the ids' memory grows with a huge prompt.
+        self.prompt_char_limit = (
+            config.context_length * longest_token_chars(tokenizer) * CHARS_FOLDED
+        )
 
     @property
     def body_limit(self) -> int:
         """The largest request body read, in bytes (413 above it)."""
-        return BODY_FLOOR + 32 * self.config.context_length
+        return body_limit_for(self.config.context_length)
+
+    async def encode_ahead(self, kind: Kind, body: bytes) -> Mapping[str, tuple[int, ...]]:
+        """The texts this body's prompt will need, encoded in the bounded pool (off the loop)
+        when the body is large; `tokenizing.encodings` hands them to `admit`/`prepare`."""
+        if len(body) <= INLINE_BYTES:
+            return {}  # tokenized inline by `admit`: cheaper than a thread hop
+        return await self.pool.run(len(body), lambda: self._texts_encoded(kind, body))
+
+    def _texts_encoded(self, kind: Kind, body: bytes) -> Mapping[str, tuple[int, ...]]:
+        """Best effort: anything refused here is refused again, cheaply, by the real parse
+        (fields another layer strips first, such as a router's, are left out)."""
+        try:
+            obj: dict[str, Any] = load_json(body)
+            if kind == "chat":
+                known = {k: v for k, v in obj.items() if k in protocol.CHAT_FIELDS}
+                messages = protocol.parse_chat(known).prompt
+                assert isinstance(messages, tuple)
+                text = self._chat_text(
+                    tuple(m for m in messages if isinstance(m, protocol.ChatMessage))
+                )
+            elif isinstance(obj.get("prompt"), str):
+                text = obj["prompt"]
+            else:
+                return {}
+            return {text: self.encode_text(text, "prompt")}
+        except ApiError:
+            return {}
 
     def admit(self, kind: Kind, tenant: str, body: bytes) -> Prepared:
         """An authenticated tenant's generation request, from raw body to `Prepared`."""
@@ -136,13 +195,34 @@ class Admission:
         return f"{base}/salt:{hashlib.sha256(salt.encode()).hexdigest()[:32]}"
 
     def encode_chat(self, messages: tuple[protocol.ChatMessage, ...]) -> list[int]:
+        return list(self.encode_text(self._chat_text(messages), "messages"))
+
+    def _chat_text(self, messages: tuple[protocol.ChatMessage, ...]) -> str:
+        chars = sum(len(m.content) for m in messages)
+        if chars > self.prompt_char_limit:  # before the template copies them all
+            raise self._too_many_chars("messages", chars)
         try:
-            text = self.tokenizer.apply_chat_template(
+            return self.tokenizer.apply_chat_template(
                 [{"role": m.role, "content": m.content} for m in messages]
             )
         except Exception as e:  # jinja raises many kinds; any of them is a bad conversation
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
-        return self.tokenizer.encode(text)
+
+    def encode_text(self, text: str, param: str) -> tuple[int, ...]:
+        """`text`'s ids (encoded ahead by this request, or now); over the character bound: 400."""
+        if len(text) > self.prompt_char_limit:
+            raise self._too_many_chars(param, len(text))
+        ahead = encoded_ahead(text)
+        return ahead if ahead is not None else tuple(self.tokenizer.encode(text))
+
+    def _too_many_chars(self, param: str, chars: int) -> ApiError:
+        ctx = self.config.context_length
+        return bad_request(
+            f"`{param}` has {chars} characters; no text over {self.prompt_char_limit} "
+            f"characters fits this model's maximum context length of {ctx} tokens",
+            param,
+            "context_length_exceeded",
+        )
 
     def check_ids(self, ids: tuple[int, ...], param: str) -> None:
         vocab = self.config.vocab_size
@@ -160,7 +240,7 @@ class Admission:
             messages = tuple(m for m in req.prompt if isinstance(m, protocol.ChatMessage))
             return tuple(self.encode_chat(messages)), "messages"
         if isinstance(req.prompt, str):
-            return tuple(self.tokenizer.encode(req.prompt)), "prompt"
+            return self.encode_text(req.prompt, "prompt"), "prompt"
         return tuple(t for t in req.prompt if isinstance(t, int)), "prompt"
 
     def _max_tokens(self, n: int, asked: int | None, param: str) -> int:

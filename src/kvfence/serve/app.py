@@ -136,9 +136,17 @@ def _add_error_handlers(app: Starlette) -> None:
         err = ApiError(404, f"no route {request.url.path}", code="not_found")
         return JSONResponse(err.body(), status_code=404)
 
-    async def bad_method(request: Request, _e: Exception) -> Response:
-        err = ApiError(405, f"{request.method} is not allowed on {request.url.path}")
-        return JSONResponse(err.body(), status_code=405)
+    async def bad_method(request: Request, e: Exception) -> Response:
+        # RFC 9110: a 405 lists the methods the route does serve (Starlette's routing puts
+        # them on the exception; every route here answers exactly one).
+        allow = getattr(e, "headers", None) or {}
+        methods = allow.get("Allow", "")
+        err = ApiError(
+            405,
+            f"{request.method} is not allowed on {request.url.path}; allowed: {methods}",
+            code="method_not_allowed",
+        )
+        return JSONResponse(err.body(), status_code=405, headers={"Allow": methods})
 
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(Exception, internal)
@@ -182,14 +190,17 @@ def _generate_routes(router: Router, admission: Admission, config: ServeConfig) 
 def _token_routes(admission: Admission, tokenizer: Tokenizer, config: ServeConfig) -> list[Route]:
     async def tokenize(request: Request) -> dict[str, Any]:
         admission.authenticate(request.headers.get("authorization"))
-        obj = await json_body(request, admission)
+        raw = await read_body(request, admission.body_limit, config.body_timeout_s)
+        obj = load_json(raw)
         admission.check_model(model_of(obj))
         prompt, messages = protocol.parse_tokenize(obj)
-        ids = (
-            tokenizer.encode(prompt)
-            if prompt is not None
-            else admission.encode_chat(messages or ())
-        )
+
+        def encode() -> list[int]:
+            if prompt is not None:
+                return list(admission.encode_text(prompt, "prompt"))
+            return admission.encode_chat(messages or ())
+
+        ids = await admission.pool.run(len(raw), encode)  # large ones off the loop
         return {"count": len(ids), "max_model_len": config.context_length, "tokens": ids}
 
     async def detokenize(request: Request) -> dict[str, Any]:

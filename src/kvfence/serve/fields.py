@@ -53,18 +53,69 @@ def load_json(raw: bytes) -> dict[str, Any]:
     if not text.strip():
         raise bad_request("request body is empty; send a JSON object", None, "invalid_json")
     try:
-        obj = json.loads(text, parse_constant=_reject_constant)
+        obj = json.loads(text, parse_constant=_reject_constant, parse_float=_number)
     except (ValueError, RecursionError) as e:
         raise bad_request(
             f"request body is not valid JSON: {type(e).__name__}: {e}", None, "invalid_json"
         ) from None
     if not isinstance(obj, dict):
         raise bad_request("request body must be a JSON object", None, "invalid_json")
+    _refuse_lone_surrogates(obj)
     return obj
 
 
 def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _number(literal: str) -> float | int:
+    """A JSON number with a fraction or exponent; an integer when its value is one.
+
+    JSON Schema's "integer" is a value, not a spelling: `258.0` and `2.58e2` are the
+    integer 258, so the fields the schema calls integer accept them. Non-integral values
+    stay floats (and are refused where an integer is needed); overflow to infinity stays a
+    float too, so `number` refuses it.
+    """
+    value = float(literal)
+    return int(value) if value.is_integer() else value
+
+
+def _refuse_lone_surrogates(obj: dict[str, Any]) -> None:
+    """A 400 naming the field for a string (key or value) holding a lone UTF-16 surrogate.
+
+    JSON's `\ud800` escape decodes to a code point that has no UTF-8 form, so any later
+    encode (tokenizing, hashing a cache salt, writing a log line) would raise. The walk is
+    iterative: the parser already bounds the depth, and no recursion limit is touched here.
+    """
+    stack: list[tuple[str, Any]] = [(k, v) for k, v in obj.items()]
+    for key in obj:
+        _check_text(key, key)
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, path)
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                _check_text(k, f"{path}.{k}")
+                stack.append((f"{path}.{k}", v))
+
+
+def _check_text(text: str, path: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        # The path may hold the surrogate itself (a key): escaped, so the answer encodes.
+        path = path.encode("utf-8", "backslashreplace").decode("utf-8")
+        raise bad_request(
+            f"`{path}` holds a lone UTF-16 surrogate (U+{ord(text[e.start]):04X} at character "
+            f"{e.start}); strings must be valid Unicode (escape pairs only as a high-low pair)",
+            path,
+            "invalid_unicode",
+        ) from None
 
 
 def integer(

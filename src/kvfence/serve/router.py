@@ -36,6 +36,7 @@ from kvfence.serve.output import OutputAssembler
 from kvfence.serve.protocol import Kind
 from kvfence.serve.request_log import RequestLatency
 from kvfence.serve.responses import DONE, Piece, Shape, TokenLogprob, sse, usage
+from kvfence.serve.tokenizing import encodings
 
 log = logging.getLogger(__name__)
 ROOM_ATTEMPTS = 4
@@ -228,9 +229,14 @@ class Router:
             tenant = self.admission.authenticate(request.headers.get("authorization"))
             self.admission.limits.precheck(tenant)  # at its concurrency limit: 429, unread
             body = await read_body(request, self.admission.body_limit, self.config.body_timeout_s)
-            return self._admit_and_submit(kind, tenant, body, request)
+            # A large prompt is tokenized in the admission's bounded pool, off the loop; the
+            # rest of admission (limits, room, submission) stays on it.
+            ahead = await self.admission.encode_ahead(kind, body)
+            with encodings(ahead):
+                return self._admit_and_submit(kind, tenant, body, request)
         except ApiError as e:
             self.counters.rejected(e.code or e.type)
+            self.admission.limits.refused(tenant, e)  # refusals draw on the tenant's bucket
             if self.latency is not None and tenant is not None:
                 self.latency.record(tenant, 0, outcome="rejected")
             raise

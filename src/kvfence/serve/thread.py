@@ -3,7 +3,9 @@
 Binding before uvicorn starts means the port is known and held from the start
 (no race between "find a free port" and "listen"). `ServerThread` runs the
 server in a background thread for tests and embedded use; `serve_forever`
-runs it in the foreground with uvicorn's own Ctrl-C handling.
+runs it in the foreground with uvicorn's own Ctrl-C handling. Both bound a
+request's head (`http_edge.HttpLimits`: 431 for oversized headers, 408 for
+headers that do not arrive in time).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from types import TracebackType
 
 import uvicorn
 from starlette.types import ASGIApp
+
+from kvfence.serve.http_edge import DEFAULT_HTTP_LIMITS, HttpLimits, protocol_class
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -35,17 +39,29 @@ def url_of(sock: socket.socket) -> str:
     return f"http://{shown}:{port}"
 
 
-def _server(app: ASGIApp, log_level: str) -> uvicorn.Server:
+def _server(app: ASGIApp, log_level: str, limits: HttpLimits) -> uvicorn.Server:
     config = uvicorn.Config(
-        app, log_level=log_level, access_log=False, lifespan="off", timeout_graceful_shutdown=5
+        app,
+        http=protocol_class(limits),
+        h11_max_incomplete_event_size=limits.header_bytes,
+        log_level=log_level,
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=5,
     )
     return uvicorn.Server(config)
 
 
-def serve_forever(app: ASGIApp, sock: socket.socket, *, log_level: str = "warning") -> None:
+def serve_forever(
+    app: ASGIApp,
+    sock: socket.socket,
+    *,
+    log_level: str = "warning",
+    limits: HttpLimits = DEFAULT_HTTP_LIMITS,
+) -> None:
     """Serve until Ctrl-C / SIGTERM (uvicorn finishes in-flight responses, then returns)."""
     try:
-        _server(app, log_level).run(sockets=[sock])
+        _server(app, log_level, limits).run(sockets=[sock])
     except KeyboardInterrupt:
         # uvicorn re-raises the captured SIGINT after its graceful shutdown; that is the
         # normal way to stop a foreground server, not an error.
@@ -56,11 +72,16 @@ class ServerThread:
     """`with ServerThread(app) as srv: httpx.get(srv.url + "/health")`."""
 
     def __init__(
-        self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"
+        self,
+        app: ASGIApp,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log_level: str = "warning",
+        limits: HttpLimits = DEFAULT_HTTP_LIMITS,
     ) -> None:
         self.sock = bind(host, port)
         self.url = url_of(self.sock)
-        self.server = _server(app, log_level)
+        self.server = _server(app, log_level, limits)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
         )
