@@ -10,6 +10,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 import click
 
@@ -184,22 +185,33 @@ def _demo(ctx: click.Context) -> int:
         ctx.invoke(audit, html_out=str(out / "report.html"), json_out=str(out / "report.json"))
     except SystemExit as e:  # the audit's verdict is its exit code; the demo reads the JSON instead
         click.echo(f"(kvfence audit exited {e.code})")
-    report = json.loads((out / "report.json").read_text())
-    lab, hardened = (t["url"] for t in report["targets"])
-    verdict = {(r["target"], r["check"]): r["verdict"] for r in report["results"]}
-    lab_red = [c for c in INCIDENT_CHECKS if verdict.get((lab, c)) == "fail"]
-    hardened_red = [c for (t, c), v in verdict.items() if t == hardened and v == "fail"]
-    undecided = [c for c in DECISIVE_CHECKS if verdict.get((hardened, c)) != "pass"]
-    click.echo(f"workers-ai-2026 lab fails: {', '.join(lab_red) or 'nothing'}")
-    click.echo(f"hardened engine fails: {', '.join(hardened_red) or 'nothing'}")
-    if undecided:
-        click.echo(f"hardened engine does not pass: {', '.join(undecided)}")
+    lines, as_expected = demo_outcome(json.loads((out / "report.json").read_text()))
+    for line in lines:
+        click.echo(line)
     click.echo(f"HTML report: {out / 'report.html'}")
-    if len(lab_red) == len(INCIDENT_CHECKS) and not hardened_red and not undecided:
+    if as_expected:
         click.echo("demo as expected: the audit catches the incident and passes the fix")
         return 0
     click.echo("demo NOT as expected")
     return 1
+
+
+def demo_outcome(report: dict[str, Any]) -> tuple[list[str], bool]:
+    """The main job's closing lines from the audit's JSON report, and whether the demo showed
+    what it should. Every failed check of each target is named, not only the ones required."""
+    (lab, lab_name), (fix, fix_name) = ((t["url"], t["name"]) for t in report["targets"])
+    verdict = {(r["target"], r["check"]): r["verdict"] for r in report["results"]}
+    lab_red = [c for (t, c), v in verdict.items() if t == lab and v == "fail"]
+    missed = [c for c in INCIDENT_CHECKS if c not in lab_red]
+    fix_red = [c for (t, c), v in verdict.items() if t == fix and v == "fail"]
+    undecided = [c for c in DECISIVE_CHECKS if verdict.get((fix, c)) != "pass"]
+    lines = [f"{lab_name} fails: {', '.join(lab_red) or 'nothing'}"]
+    if missed:
+        lines.append(f"{lab_name} does not fail: {', '.join(missed)}")
+    lines.append(f"{fix_name} fails: {', '.join(fix_red) or 'nothing'}")
+    if undecided:
+        lines.append(f"{fix_name} does not pass: {', '.join(undecided)}")
+    return lines, not missed and not fix_red and not undecided
 
 
 @main.command()

@@ -56,7 +56,7 @@ class _Recorded(Check):
 
 
 def _audit(monkeypatch: pytest.MonkeyPatch, clock: _Clock, separate: bool) -> runbook.AuditRun:
-    monkeypatch.setattr(runbook, "make_target", lambda url, engine, client: _Offline(url))
+    monkeypatch.setattr(runbook, "make_target", lambda url, engine, client, **_: _Offline(url))
     monkeypatch.setattr(runbook, "loaded_or_inconclusive", lambda name, url: _Recorded(name, clock))
     ctx = AuditContext()
     with ctx.open():

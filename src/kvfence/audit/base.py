@@ -196,11 +196,13 @@ class CheckResult:
     plots: list[Plot] = field(default_factory=list)
     p_value: float | None = None  # statistical checks: the test's p-value ...
     alpha: float | None = None  # ... and the level it was judged at (the check's share)
+    target_name: str = ""  # the target's name in the reports (set by the runbook)
 
     def to_json(self) -> dict[str, JSONValue]:
         return {
             "check": self.check,
             "target": self.target,
+            "target_name": self.target_name or self.target,
             "verdict": self.verdict.value,
             "summary": self.summary,
             "evidence": self.evidence,

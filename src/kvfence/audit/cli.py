@@ -22,11 +22,13 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvfence.audit import report
 from kvfence.audit.base import DEFAULT_ALPHA, DEFAULT_HEADROOM, AuditContext, Budget, CheckResult
 from kvfence.audit.runbook import ALL_CHECKS, AuditRun, run_audit
+from kvfence.audit.target_names import TargetSpec, TargetSpecError, named_targets
 from kvfence.audit.targets.registry import ENGINE_CHOICES
 
 # "module:function" of the embedded-default runner:
@@ -75,7 +77,11 @@ class _AuditGroup(click.Group):
 
 @click.group(cls=_AuditGroup, invoke_without_command=True)
 @click.option(
-    "--target", "targets", multiple=True, help="engine base URL (repeat for several nodes)"
+    "--target",
+    "targets",
+    multiple=True,
+    metavar="[NAME=]URL",
+    help="engine base URL, optionally named for the reports (repeat for several engines)",
 )
 @click.option("--engine", type=click.Choice(ENGINE_CHOICES), default="auto", show_default=True)
 @click.option("--key-a", envvar="KVFENCE_AUDIT_KEY_A", default=None, help="tenant A's API key")
@@ -141,7 +147,11 @@ def audit(
     # CI logs are not terminals: give the summary table room instead of rich's 80 columns.
     console = Console(width=None if sys.stdout.isatty() else 140)
     budget = Budget(max_requests=max_requests, max_seconds=max_seconds)
-    if targets:
+    try:
+        specs = named_targets(targets)
+    except TargetSpecError as e:
+        raise click.BadParameter(str(e), param_hint="--target") from None
+    if specs:
         actx = AuditContext(
             key_a=key_a,
             key_b=key_b,
@@ -153,7 +163,7 @@ def audit(
             quiet=quiet,
             alpha=alpha,
         )
-        body = _on_targets(actx, list(targets), engine, names)
+        body = _on_targets(actx, specs, engine, names)
         run = _with_progress(body, len(targets) * len(names), quiet, console)
     else:
         body = _on_embedded(console, names, headroom, seed, budget, alpha)
@@ -169,7 +179,7 @@ AuditBody = Callable[[ProgressFn | None, ResultFn | None], AuditRun]
 
 
 def _on_targets(
-    actx: AuditContext, targets: list[str], engine: str, names: tuple[str, ...]
+    actx: AuditContext, targets: tuple[TargetSpec, ...], engine: str, names: tuple[str, ...]
 ) -> AuditBody:
     def run_targets(progress: ProgressFn | None, on_result: ResultFn | None) -> AuditRun:
         if progress is not None:
@@ -235,7 +245,8 @@ def _with_progress(
 
         def on_result(res: CheckResult) -> None:
             progress.advance(overall)
-            progress.console.print(f"  {res.check} on {res.target}: {res.verdict.value}")
+            where = escape(res.target_name or res.target)
+            progress.console.print(f"  {res.check} on {where}: {res.verdict.value}")
 
         return body(on_progress, on_result)
 
@@ -258,10 +269,7 @@ def finish(
         report.write_html(run, html_out, fail_on_inconclusive)
     code = run.exit_code(fail_on_inconclusive)
     if quiet:
-        click.echo(
-            f"kvfence audit: {run.verdict.value} ({run.counts()}; {run.requests_sent} requests) "
-            f"exit {code}"
-        )
+        click.echo(report.quiet_line(run, fail_on_inconclusive))
     else:
         report.print_summary(run, console, fail_on_inconclusive)
     for label, path in (("HTML report", html_out), ("JSON", json_out), ("JUnit", junit_out)):

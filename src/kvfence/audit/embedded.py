@@ -22,11 +22,13 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import httpx
 
 from kvfence.audit.base import DEFAULT_ALPHA, AuditContext, Budget, CheckResult
 from kvfence.audit.runbook import ALL_CHECKS, AuditRun, preload_checks, run_audit
+from kvfence.audit.target_names import TargetSpec
 
 KEY_A = "embedded-tenant-a-key-0001"
 KEY_B = "embedded-tenant-b-key-0002"
@@ -54,6 +56,11 @@ INCIDENT = (
     "--lab-fault", "decode-trusts-bootstrap", "--lab-fault", "no-ledger-check",
 )  # fmt: skip
 HARDENED = ("--kv-pages", "prefill=64,decode=64")
+# What the reports call the two servers (as `--target NAME=URL` would name them).
+REPORT_NAMES = MappingProxyType(
+    {"workers-ai-2026": "incident lab (workers-ai-2026)", "hardened": "hardened"}
+)
+STARTED_HERE = "started by this command as `kvfence serve`"
 
 
 # The line `kvfence serve` prints once it listens (serve/cli.py: announce).
@@ -214,7 +221,7 @@ def audit_embedded(
             ctx.progress = progress
         with ctx.open():
             return run_audit(
-                [s.url for s in servers],
+                [TargetSpec(REPORT_NAMES[s.name], s.url, STARTED_HERE) for s in servers],
                 ctx,
                 engine="kvfence",
                 checks=checks,

@@ -19,19 +19,31 @@ import json
 import xml.etree.ElementTree as ET
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvfence import __version__
 from kvfence.audit.base import CheckResult, JSONValue, Verdict
-from kvfence.audit.report_html import SCHEMA, significance, to_html, write_html
+from kvfence.audit.report_html import (
+    SCHEMA,
+    outcome_lines,
+    significance,
+    target_line,
+    to_html,
+    verdict_grid,
+    write_html,
+)
 from kvfence.audit.report_svg import COLOURS, PALETTE, render_plot
 from kvfence.audit.runbook import AuditRun
+from kvfence.audit.target_names import junit_classnames
 
 __all__ = [
     "COLOURS",
     "PALETTE",
     "SCHEMA",
+    "outcome_lines",
     "print_summary",
+    "quiet_line",
     "render_plot",
     "significance",
     "to_html",
@@ -79,30 +91,42 @@ def write_json(run: AuditRun, path: str, fail_on_inconclusive: bool = True) -> N
 # -- JUnit XML --------------------------------------------------------------------
 
 
+# The attributes the Jenkins xunit schema (junit-10.xsd) allows on <testsuites>: `skipped`
+# is a <testsuite> attribute only, and a file carrying it on <testsuites> fails validation.
+TESTSUITES_COUNTS = ("tests", "failures", "errors")
+
+
 def to_junit(run: AuditRun) -> ET.Element:
     """One <testsuite> per target, one <testcase> per check; fail → <failure>, inconclusive → <error>.
 
+    Each target's cases carry its own classname (`kvfence.audit.<name>`): CI parsers key a
+    case by classname and name, so one classname for all targets kept only one target's cases.
     not_applicable is a passing case (a deploy gate passes on it); its system-out names it.
     """
     suites = ET.Element("testsuites", name="kvfence audit")
     totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    classnames = junit_classnames([t.label for t in run.targets])
     for t in run.targets:
-        mine = [r for r in run.results if r.target == t.url]
+        mine = run.results_of(t)
         counts = _junit_counts(mine)
         for k, v in counts.items():
             totals[k] += v
-        engine = t.engine or "unknown"
         suite = ET.SubElement(
             suites,
             "testsuite",
-            name=f"{engine} {t.url}",
+            name=t.label,
             time=f"{sum(r.duration_s for r in mine):.3f}",
             attrib={"timestamp": run.started_at, **{k: str(v) for k, v in counts.items()}},
         )
+        props = ET.SubElement(suite, "properties")
+        for key, value in (("url", t.url), ("engine", t.engine or "unidentified")):
+            ET.SubElement(props, "property", name=key, value=value)
         for r in mine:
-            _junit_case(suite, engine, r)
-    for k, v in totals.items():
-        suites.set(k, str(v))
+            _junit_case(suite, classnames[t.label], r)
+        if t.error:
+            ET.SubElement(suite, "system-err").text = t.error
+    for k in TESTSUITES_COUNTS:
+        suites.set(k, str(totals[k]))
     suites.set("time", f"{run.duration_s:.3f}")
     return suites
 
@@ -116,11 +140,11 @@ def _junit_counts(results: list[CheckResult]) -> dict[str, int]:
     }
 
 
-def _junit_case(suite: ET.Element, engine: str, r: CheckResult) -> None:
+def _junit_case(suite: ET.Element, classname: str, r: CheckResult) -> None:
     case = ET.SubElement(
         suite,
         "testcase",
-        classname=f"kvfence.audit.{engine}",
+        classname=classname,
         name=r.check,
         time=f"{r.duration_s:.3f}",
     )
@@ -148,21 +172,23 @@ def write_junit(run: AuditRun, path: str) -> None:
 
 def print_summary(run: AuditRun, console: Console, fail_on_inconclusive: bool = True) -> None:
     for t in run.targets:
-        how = t.detected_by or t.error or ""
-        console.print(f"[bold]{t.url}[/] — {t.engine or 'unidentified'} ({how})")
+        named = f"[bold]{escape(t.name)}[/]: " if t.name and t.name != t.url else ""
+        console.print(named + escape(target_line(t)))
+    if len(run.targets) > 1:
+        console.print(_side_by_side(run))
     table = Table(title="kvfence audit", show_lines=False)
     for col in ("target", "check", "verdict", "requests", "time", "p (alpha)", "summary"):
         table.add_column(col, overflow="fold", no_wrap=col in ("verdict", "check"))
     for r in run.results:
         style = RICH_STYLES[r.verdict.value]
         table.add_row(
-            r.target,
+            escape(run.name_of(r.target)),
             r.check,
             f"[{style}]{r.verdict.value.upper()}[/]",
             str(r.requests_sent),
             f"{r.duration_s:.1f}s",
             significance(r),
-            r.summary,
+            escape(r.summary),
         )
     console.print(table)
     verdict = run.verdict.value
@@ -171,3 +197,31 @@ def print_summary(run: AuditRun, console: Console, fail_on_inconclusive: bool = 
         f"{run.requests_sent} requests in {run.duration_s:.1f}s, "
         f"exit code {run.exit_code(fail_on_inconclusive)}"
     )
+    for line in outcome_lines(run):
+        console.print(escape(line))
+
+
+def _side_by_side(run: AuditRun) -> Table:
+    """Checks down, targets across: each target's verdicts in its own named column."""
+    table = Table(title="verdicts by target")
+    table.add_column("check", no_wrap=True)
+    for t in run.targets:
+        table.add_column(escape(t.label), no_wrap=True)
+    verdicts = verdict_grid(run)
+    for check in run.checks:
+        row = [check]
+        for t in run.targets:
+            v = verdicts.get((t.url, check))
+            row.append(f"[{RICH_STYLES[v]}]{v.upper()}[/]" if v else "-")
+        table.add_row(*row)
+    return table
+
+
+def quiet_line(run: AuditRun, fail_on_inconclusive: bool = True) -> str:
+    """The one-line `--quiet` summary: the verdict, the counts in words, each target's failures."""
+    counts = ", ".join(f"{n} {v.replace('_', ' ')}" for v, n in run.counts().items() if n)
+    line = (
+        f"kvfence audit: {run.verdict.value.upper()} ({counts or 'no checks'}; "
+        f"{run.requests_sent} requests) exit {run.exit_code(fail_on_inconclusive)}"
+    )
+    return "; ".join([line, *outcome_lines(run)])

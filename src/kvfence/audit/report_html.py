@@ -34,6 +34,36 @@ def significance(r: CheckResult) -> str:
     return f"{p} ({r.alpha:.2g})"
 
 
+def target_line(t: TargetSummary) -> str:
+    """Where a target is and how its engine is known (why not: `outcome_lines`)."""
+    if t.engine is None:
+        return f"{t.url} — not identified, not audited"
+    return f"{t.url} — {t.engine} ({t.detected_by or 'engine given'})"
+
+
+def verdict_grid(run: AuditRun) -> dict[tuple[str, str], str]:
+    """(target URL, check) -> verdict."""
+    return {(r.target, r.check): r.verdict.value for r in run.results}
+
+
+def outcome_lines(run: AuditRun) -> list[str]:
+    """One line per target naming every check that failed (and any left inconclusive), or
+    why the target was not audited at all: the reason once, not once per check."""
+    lines = []
+    for t in run.targets:
+        if t.engine is None:
+            lines.append(f"{t.label} not audited: {t.error or 'engine not identified'}")
+            continue
+        mine = run.results_of(t)
+        failed = [r.check for r in mine if r.verdict.value == "fail"]
+        undecided = [r.check for r in mine if r.verdict.value == "inconclusive"]
+        line = f"{t.label} fails: {', '.join(failed) or 'nothing'}"
+        if undecided:
+            line += f"; inconclusive: {', '.join(undecided)}"
+        lines.append(line)
+    return lines
+
+
 def _badge(v: str) -> str:
     return f'<span class="v v-{v}">{html.escape(v)}</span>'
 
@@ -43,32 +73,51 @@ def to_html(run: AuditRun, fail_on_inconclusive: bool = True) -> str:
     verdict = run.verdict.value
     parts = [
         "<!doctype html><html lang=en><head><meta charset=utf-8>",
-        f"<title>kvfence audit — {e(verdict)}</title><style>{CSS}</style></head><body>",
+        f"<title>kvfence audit — {e(verdict)} — {e(', '.join(t.label for t in run.targets))}"
+        f"</title><style>{CSS}</style></head><body>",
         f"<h1>kvfence audit {_badge(verdict)}</h1>",
         f"<p>{e(run.started_at)} · {len(run.targets)} target(s) · {run.requests_sent} requests · "
         f"{run.duration_s:.1f}s · exit code {run.exit_code(fail_on_inconclusive)} · schema {SCHEMA}</p>",
+        *_side_by_side(run),
+        "<ul class=outcome>",
+        *(f"<li>{e(line)}</li>" for line in outcome_lines(run)),
+        "</ul>",
         "<table><tr><th>target</th><th>check</th><th>verdict</th><th>requests</th>"
         "<th>p (alpha)</th><th>summary</th></tr>",
     ]
     for r in run.results:
         parts.append(
-            f"<tr><td>{e(r.target)}</td><td>{e(r.check)}</td><td>{_badge(r.verdict.value)}</td>"
-            f"<td>{r.requests_sent}</td><td>{e(significance(r))}</td><td>{e(r.summary)}</td></tr>"
+            f"<tr><td>{e(run.name_of(r.target))}</td><td>{e(r.check)}</td>"
+            f"<td>{_badge(r.verdict.value)}</td><td>{r.requests_sent}</td>"
+            f"<td>{e(significance(r))}</td><td>{e(r.summary)}</td></tr>"
         )
     parts.append("</table>")
     for t in run.targets:
-        parts += _target_section(t, [r for r in run.results if r.target == t.url])
+        parts += _target_section(t, run.results_of(t))
     parts.append("</body></html>")
     return "\n".join(parts)
 
 
+def _side_by_side(run: AuditRun) -> list[str]:
+    """Checks down, targets across, each column headed by its target's name."""
+    e = html.escape
+    grid = verdict_grid(run)
+    head = "".join(f"<th class=target-name>{e(t.label)}</th>" for t in run.targets)
+    rows = [f"<table class=side-by-side><tr><th>check</th>{head}</tr>"]
+    for check in run.checks:
+        cells = "".join(
+            f"<td>{_badge(grid[(t.url, check)]) if (t.url, check) in grid else '-'}</td>"
+            for t in run.targets
+        )
+        rows.append(f"<tr><td>{e(check)}</td>{cells}</tr>")
+    rows.append("</table>")
+    return rows
+
+
 def _target_section(t: TargetSummary, results: list[CheckResult]) -> list[str]:
     e = html.escape
-    parts = [
-        f"<h2>{e(t.url)} — {e(t.engine or 'unidentified')}</h2>",
-        f"<p>{e(t.detected_by or t.error or '')}</p>",
-    ]
-    if t.error and t.detected_by:
+    parts = [f"<h2>{e(t.label)}</h2>", f"<p>{e(target_line(t))}</p>"]
+    if t.error:
         parts.append(f"<p>{e(t.error)}</p>")
     if isinstance(t.facts, dict):
         parts += _facts_table(t.facts)

@@ -26,7 +26,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from kvfence.audit.base import (
@@ -38,10 +37,11 @@ from kvfence.audit.base import (
     JSONValue,
     Verdict,
     run_check,
-    worst,
 )
 from kvfence.audit.counters import CountersCheck
+from kvfence.audit.run_record import AuditRun, TargetSummary
 from kvfence.audit.target_context import target_context
+from kvfence.audit.target_names import TargetSpec, as_specs
 from kvfence.audit.targets.base import Target
 from kvfence.audit.targets.registry import DetectionError, make_target
 
@@ -114,62 +114,8 @@ def loaded_or_inconclusive(name: str, url: str) -> Check | CheckResult:
         return _result(name, url, Verdict.INCONCLUSIVE, f"check could not be loaded: {e}")
 
 
-@dataclass(slots=True)
-class TargetSummary:
-    url: str
-    engine: str | None
-    detected_by: str | None
-    facts: dict[str, JSONValue] | None = None
-    error: str | None = None
-    requests_sent: int = 0  # detection, facts and the counter snapshot (not any check's)
-
-    def to_json(self) -> dict[str, JSONValue]:
-        return {
-            "url": self.url,
-            "engine": self.engine,
-            "detected_by": self.detected_by,
-            "facts": self.facts,
-            "error": self.error,
-            "requests_sent": self.requests_sent,
-        }
-
-
-@dataclass(slots=True)
-class AuditRun:
-    """Everything a report needs."""
-
-    targets: list[TargetSummary]
-    results: list[CheckResult]
-    checks: tuple[str, ...]
-    started_at: str
-    duration_s: float
-    requests_sent: int
-    settings: dict[str, JSONValue] = field(default_factory=dict)
-
-    @property
-    def verdict(self) -> Verdict:
-        return worst([r.verdict for r in self.results])
-
-    def exit_code(self, fail_on_inconclusive: bool = True) -> int:
-        """0 all passed (or not applicable, or skipped), 1 any fail, 2 inconclusive (when it blocks)."""
-        v = self.verdict
-        if v is Verdict.FAIL:
-            return 1
-        if v is Verdict.INCONCLUSIVE:
-            return 2 if fail_on_inconclusive else 0
-        if not any(r.verdict.decisive_ok for r in self.results):
-            return 2 if fail_on_inconclusive else 0  # nothing was actually verified
-        return 0
-
-    def counts(self) -> dict[str, int]:
-        out = {v.value: 0 for v in Verdict}
-        for r in self.results:
-            out[r.verdict.value] += 1
-        return out
-
-
 def run_audit(
-    urls: Sequence[str],
+    targets: Sequence[str | TargetSpec],
     ctx: AuditContext,
     *,
     engine: str = "auto",
@@ -177,7 +123,8 @@ def run_audit(
     on_result: Callable[[CheckResult], None] | None = None,
     separate_targets: bool = False,
 ) -> AuditRun:
-    """Run `checks` on every target in `urls`; every request bounded by `ctx.budget`.
+    """Run `checks` on every target (a URL, or a `TargetSpec` with the name the reports show);
+    every request bounded by `ctx.budget`.
 
     `separate_targets`: the targets share nothing (see the module docstring), so the
     untimed checks of all targets run concurrently; results keep the sequential order.
@@ -186,22 +133,25 @@ def run_audit(
     if unknown:
         raise ValueError(f"unknown check {unknown[0]!r}; choose from {', '.join(ALL_CHECKS)}")
     ordered = tuple(n for n in ALL_CHECKS if n in checks)
+    specs = as_specs(targets)
     ctx.statistical = tuple(n for n in ordered if n in STATISTICAL_CHECKS)  # alpha's split
     started = datetime.now(UTC).isoformat(timespec="seconds")
     t0 = time.monotonic()
     summaries: list[TargetSummary] = []
     results: list[CheckResult] = []
 
-    def emit(res: CheckResult) -> None:
+    def collect(res: CheckResult) -> None:
         results.append(res)
         if on_result is not None:
             on_result(res)
 
-    if separate_targets and len(urls) > 1:
-        summaries, results = _audit_separate(urls, engine, ordered, ctx, on_result)
+    emit = _named(specs, collect)
+
+    if separate_targets and len(specs) > 1:
+        summaries, results = _audit_separate(specs, engine, ordered, ctx, on_result)
     else:
-        for url in urls:
-            summary, target = _resolve_counted(url, engine, ctx)
+        for spec in specs:
+            summary, target = _resolve_counted(spec, engine, ctx)
             summaries.append(summary)
             if target is None:
                 _not_audited(summary, ordered, emit)
@@ -232,10 +182,10 @@ def _settings(engine: str, ctx: AuditContext) -> dict[str, JSONValue]:
 
 
 def _resolve_counted(
-    url: str, engine: str, ctx: AuditContext
+    spec: TargetSpec, engine: str, ctx: AuditContext
 ) -> tuple[TargetSummary, Target | None]:
     sent0 = ctx.budget.sent
-    summary, target = _resolve(url, engine, ctx)
+    summary, target = _resolve(spec, engine, ctx)
     summary.requests_sent = ctx.budget.sent - sent0
     return summary, target
 
@@ -243,21 +193,26 @@ def _resolve_counted(
 def _not_audited(
     summary: TargetSummary, ordered: tuple[str, ...], emit: Callable[[CheckResult], None]
 ) -> None:
+    # The reason is the target's (reported once with it), not each check's: a dead target
+    # read as seven copies of one error.
+    why = "not audited: the target was not identified (the reason is given once, below)"
     for name in ordered:
-        emit(
-            _result(name, summary.url, Verdict.INCONCLUSIVE, f"target not audited: {summary.error}")
-        )
+        emit(_result(name, summary.url, Verdict.INCONCLUSIVE, why))
 
 
-def _resolve(url: str, engine: str, ctx: AuditContext) -> tuple[TargetSummary, Target | None]:
+def _resolve(
+    spec: TargetSpec, engine: str, ctx: AuditContext
+) -> tuple[TargetSummary, Target | None]:
+    url = spec.url
     client = ctx.client_for_url(url, "a")
     try:
-        target = make_target(url, engine, client)
+        target = make_target(url, engine, client, known_by=spec.engine_known_by)
     except DetectionError as e:
-        return TargetSummary(url, None, None, error=str(e)), None
+        return TargetSummary(url, None, None, error=str(e), name=spec.name), None
     except Exception as e:  # budget, network: the target cannot be vouched for
-        return TargetSummary(url, None, None, error=f"{type(e).__name__}: {e}"), None
-    return TargetSummary(url, target.engine, target.detected_by), target
+        error = f"{type(e).__name__}: {e}"
+        return TargetSummary(url, None, None, error=error, name=spec.name), None
+    return TargetSummary(url, target.engine, target.detected_by, name=spec.name), target
 
 
 def _audit_target(
@@ -268,8 +223,8 @@ def _audit_target(
     emit: Callable[[CheckResult], None],
 ) -> None:
     counters = _prepare_target(target, ordered, ctx, summary)
-    _run_checks(target, ordered, ctx, counters, emit)
-    ctx.progress(f"{target.url}: done", 1.0)
+    _run_checks(target, summary.label, ordered, ctx, counters, emit)
+    ctx.progress(f"{summary.label}: done", 1.0)
 
 
 def _prepare_target(
@@ -295,13 +250,14 @@ def _prepare_target(
 
 def _run_checks(
     target: Target,
+    label: str,
     names: tuple[str, ...],
     ctx: AuditContext,
     counters: Check | CheckResult | None,
     emit: Callable[[CheckResult], None],
 ) -> None:
     for i, name in enumerate(names):
-        ctx.progress(f"{target.url}: {name}", i / len(names))
+        ctx.progress(f"{label}: {name}", i / len(names))
         check = counters if name == "counters" else loaded_or_inconclusive(name, target.url)
         if isinstance(check, CheckResult):
             emit(check)  # fail closed: a check that cannot run is not a skip
@@ -310,7 +266,7 @@ def _run_checks(
 
 
 def _audit_separate(
-    urls: Sequence[str],
+    specs: Sequence[TargetSpec],
     engine: str,
     ordered: tuple[str, ...],
     ctx: AuditContext,
@@ -318,45 +274,74 @@ def _audit_separate(
 ) -> tuple[list[TargetSummary], list[CheckResult]]:
     """Untimed checks on every target at once, then the timed ones one target at a time,
     then the counters; the results come back in the sequential order (target, check)."""
-    contexts = [target_context(ctx) for _ in urls]
+    contexts = [target_context(ctx) for _ in specs]
     lock = threading.Lock()
     results: list[CheckResult] = []
 
-    def keep(res: CheckResult) -> None:
+    def collect(res: CheckResult) -> None:
         with lock:
             results.append(res)
             if on_result is not None:
                 on_result(res)
 
+    keep = _named(specs, collect)
+
     untimed = tuple(n for n in ordered if n not in TIMED_CHECKS and n != "counters")
     timed = tuple(n for n in ordered if n in TIMED_CHECKS)
     last = ("counters",) if "counters" in ordered else ()
 
-    def first_phase(i: int) -> tuple[TargetSummary, Target | None, Check | CheckResult | None]:
-        summary, target = _resolve_counted(urls[i], engine, contexts[i])
+    def first_phase(i: int) -> Phase:
+        summary, target = _resolve_counted(specs[i], engine, contexts[i])
         if target is None:
             _not_audited(summary, ordered, keep)
             return summary, None, None
         counters = _prepare_target(target, ordered, contexts[i], summary)
-        _run_checks(target, untimed, contexts[i], counters, keep)
+        _run_checks(target, summary.label, untimed, contexts[i], counters, keep)
         return summary, target, counters
 
     try:
-        with ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="audit-target") as pool:
-            phase = list(pool.map(first_phase, range(len(urls))))
-        for (_, target, counters), own in zip(phase, contexts, strict=True):
-            if target is not None:  # nothing else of the audit's runs beside a timed check
-                _run_checks(target, timed, own, counters, keep)
-        for (_, target, counters), own in zip(phase, contexts, strict=True):
-            if target is not None:
-                _run_checks(target, last, own, counters, keep)
-                own.progress(f"{target.url}: done", 1.0)
+        with ThreadPoolExecutor(max_workers=len(specs), thread_name_prefix="audit-target") as pool:
+            phase = list(pool.map(first_phase, range(len(specs))))
+        _one_at_a_time(phase, contexts, timed, last, keep)
     finally:
         for own in contexts:
             own.close()
-    rank = {url: i for i, url in enumerate(urls)}
-    results.sort(key=lambda r: (rank.get(r.target, len(urls)), ordered.index(r.check)))
+    rank = {spec.url: i for i, spec in reversed(list(enumerate(specs)))}
+    results.sort(key=lambda r: (rank.get(r.target, len(specs)), ordered.index(r.check)))
     return [summary for summary, _, _ in phase], results
+
+
+Phase = tuple[TargetSummary, Target | None, Check | CheckResult | None]
+
+
+def _one_at_a_time(
+    phase: list[Phase],
+    contexts: list[AuditContext],
+    timed: tuple[str, ...],
+    last: tuple[str, ...],
+    keep: Callable[[CheckResult], None],
+) -> None:
+    """The timed checks, one target at a time, then every target's counters."""
+    for (summary, target, counters), own in zip(phase, contexts, strict=True):
+        if target is not None:  # nothing else of the audit's runs beside a timed check
+            _run_checks(target, summary.label, timed, own, counters, keep)
+    for (summary, target, counters), own in zip(phase, contexts, strict=True):
+        if target is not None:
+            _run_checks(target, summary.label, last, own, counters, keep)
+            own.progress(f"{summary.label}: done", 1.0)
+
+
+def _named(
+    specs: Sequence[TargetSpec], sink: Callable[[CheckResult], None]
+) -> Callable[[CheckResult], None]:
+    """`sink` after each result is given its target's name (a URL's first name)."""
+    names = {spec.url: spec.name for spec in reversed(specs)}
+
+    def stamp(res: CheckResult) -> None:
+        res.target_name = names.get(res.target, res.target)
+        sink(res)
+
+    return stamp
 
 
 def _result(name: str, url: str, verdict: Verdict, summary: str) -> CheckResult:

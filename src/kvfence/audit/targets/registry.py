@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from kvfence.audit.client import ProbeClient
+from kvfence.audit.client import ProbeClient, ProbeResponse
 from kvfence.audit.targets.base import Endpoints, Target
 from kvfence.audit.targets.kvfence import KvfenceTarget
 from kvfence.audit.targets.llamacpp import LlamacppTarget
@@ -51,17 +51,38 @@ def detect(url: str, client: ProbeClient) -> Target:
         if reason is not None:
             return cls(url, detected_by=f"auto: {reason}")
         tried.append(cls.engine)
-    statuses = {p: r.status if r.answered else r.error for p, r in ep.seen().items()}
-    raise DetectionError(f"no adapter recognised {url} (tried {', '.join(tried)}; saw {statuses})")
+    raise DetectionError(unrecognised(url, tried, ep.seen()))
 
 
-def make_target(url: str, engine: str, client: ProbeClient) -> Target:
-    """The adapter for `engine` ("auto" detects it)."""
+def unrecognised(url: str, tried: list[str], seen: Mapping[str, ProbeResponse]) -> str:
+    """One sentence on why `url` was not identified, saying what to try."""
+    answered = {path: r.status for path, r in seen.items() if r.status is not None}
+    if not answered:
+        why = next((r.error for r in seen.values() if r.error), "no answer")
+        return (
+            f"nothing answered at {url} ({why}): is the engine running, and is this its base URL?"
+        )
+    if set(answered.values()) <= {401, 403}:
+        return (
+            f"{url} refused every request ({', '.join(sorted({str(s) for s in answered.values()}))}):"
+            " pass the tenants' keys (--key-a, --key-b) and --operator-key"
+        )
+    saw = ", ".join(f"GET {path} {status}" for path, status in answered.items())
+    return (
+        f"no adapter recognised {url} (tried {', '.join(tried)}; it answered {saw}): "
+        "name its engine with --engine"
+    )
+
+
+def make_target(url: str, engine: str, client: ProbeClient, known_by: str | None = None) -> Target:
+    """The adapter for `engine` ("auto" detects it); `known_by` says how a given engine is
+    known when not from `--engine` (the embedded default started the server itself)."""
     if engine == "auto":
         return detect(url, client)
     try:
-        return ADAPTERS[engine](url)
+        cls = ADAPTERS[engine]
     except KeyError:
         raise ValueError(
             f"unknown engine {engine!r}; choose from {', '.join(ENGINE_CHOICES)}"
         ) from None
+    return cls(url) if known_by is None else cls(url, detected_by=known_by)
