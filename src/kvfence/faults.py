@@ -1,7 +1,10 @@
 """The one registry of fault switches.
 
 Each switch disables exactly one defence and re-creates a published isolation
-bug. All are off by default. The engine only ever *reads* a frozen `FaultSet`;
+bug, except `poisoned-sampling`, which injects one request's failure (sampling
+raises for a request seeded with `POISON_SEED`) so that the defence that
+contains it, per-request isolation inside a shared step, can be shown working
+or missing on a live server. All are off by default. The engine only ever *reads* a frozen `FaultSet`;
 switches are set solely through explicit lab configuration (``kvfence lab`` or
 ``kvfence serve --lab-fault``) and every active switch is listed in
 ``/server_info`` so an audit can never mistake a lab server for production.
@@ -25,6 +28,7 @@ class Fault(enum.Enum):
     EARLY_FREE = "early-free"
     ABORT_AS_SUCCESS = "abort-as-success"
     SHARED_PREFIX_CACHE = "shared-prefix-cache"
+    POISONED_SAMPLING = "poisoned-sampling"
 
     @classmethod
     def parse(cls, name: str) -> Fault:
@@ -33,6 +37,11 @@ class Fault(enum.Enum):
         except ValueError:
             known = ", ".join(f.value for f in cls)
             raise ValueError(f"unknown fault switch {name!r}; known switches: {known}") from None
+
+
+# The request `poisoned-sampling` fails: one whose seed is this ("kvfault" in ASCII), a
+# value no client picks by chance and every path (HTTP edge, wire messages) carries intact.
+POISON_SEED = 0x6B766661756C74
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +83,12 @@ FAULT_INFO: dict[Fault, FaultInfo] = {
     Fault.SHARED_PREFIX_CACHE: FaultInfo(
         "CVE-2025-46570: prefix cache shared across tenants, observable by timing",
         "I8 per-tenant prefix-cache namespaces",
+    ),
+    Fault.POISONED_SAMPLING: FaultInfo(
+        "one tenant's top_k (2**63) raised inside the sampler of a step shared with others, "
+        "and every request in it failed with that tenant's error",
+        "none: it makes sampling raise for a request seeded with POISON_SEED, so that "
+        "per-request isolation in a shared step can be seen holding",
     ),
 }
 

@@ -97,3 +97,6 @@ class Backend(Protocol):
         """The client is gone or the router gave up: stop the request and release its pages (I7)."""
 
     def stats(self) -> BackendStats: ...
+
+    def health(self) -> str | None:
+        """None while the backend can serve requests; else why it cannot (for /health)."""

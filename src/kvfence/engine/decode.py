@@ -42,6 +42,7 @@ from kvfence.engine.reconcile import (
     payload_checksum as measure_checksum,
 )
 from kvfence.engine.request import Request, RequestError, RequestState
+from kvfence.engine.row_errors import RowError
 from kvfence.engine.runner import Forwarded, ModelRunner, release_current
 from kvfence.engine.sampling import Sampler, SampleRow, TokenLogprobs, stop_reason
 from kvfence.faults import Fault, FaultSet
@@ -104,7 +105,7 @@ class DecodeEngine:
         self.config = config
         self.faults = faults or FaultSet()
         self.runner = ModelRunner(model, pool)
-        self.sampler = Sampler(config.sampler_seed)
+        self.sampler = Sampler(config.sampler_seed, self.faults)
         self.eos = frozenset(config.eos_token_ids)
         self.local_inbound = PoolInbound(pool)
         self.window: InboundWindow = inbound or self.local_inbound
@@ -262,16 +263,20 @@ class DecodeEngine:
         return DecodeStep(seqs, [self._row(s) for s in seqs]) if seqs else None
 
     def finish_step(self, planned: DecodeStep, out: Forwarded) -> None:
-        """Take the step's forward: fail refused rows (I1), sample and emit the rest."""
+        """Take the step's forward: fail refused rows (I1) and rows that raised alone, sample
+        and emit the rest (a row whose sampling raises alone fails alone)."""
         seqs = self._drop_refused(planned.seqs, out)
         if out.logits is None:
             return
-        result = self.sampler.sample(
+        drawn = self.sampler.sample_isolated(
             out.logits, [SampleRow(s.boot.sampling, s.num_generated) for s in seqs]
         )
-        for seq, token, lps in zip(seqs, result.tokens, result.logprobs, strict=True):
+        for seq, sampled in zip(seqs, drawn, strict=True):
+            if isinstance(sampled, RowError):
+                self._end_failed(seq, sampled.request_error())
+                continue
             seq.context += 1
-            self._emit(seq, token, lps or ())
+            self._emit(seq, sampled[0], sampled[1] or ())
 
     def _admit_queued(self) -> None:
         while self.queued and self._reserve(self.queued[0]):
@@ -313,10 +318,13 @@ class DecodeEngine:
         )
 
     def _drop_refused(self, seqs: list[_Seq], out: Forwarded) -> list[_Seq]:
-        """Fail the rows whose page tables the ledger refused (I1); the rest ran."""
+        """Fail the rows whose page tables the ledger refused (I1), and the rows that raised
+        when run alone (each with its own error); the rest ran."""
         for i in out.refused:
             self.counters.isolation_violations += 1
             self._end_failed(seqs[i], RequestError(500, "isolation_violation", str(out.violation)))
+        for failed in out.failed:
+            self._end_failed(seqs[failed.index], failed.request_error())
         return [seqs[i] for i in out.kept]
 
     # ---- outcomes -----------------------------------------------------------------------

@@ -44,6 +44,18 @@ class MessageError(ValueError):
     """A message that is malformed, of an unknown type or version, or has a bad field."""
 
 
+# The engine's own bounds on sampling. Each is what the engine can run at all (the
+# sampler's tensors are int64 / float32), so a value outside them never enters a step,
+# whoever built the params: the HTTP edge (which may be stricter), a worker decoding a
+# message, a test. The edge reuses these numbers so its 400s name the same limits.
+MAX_INT64 = 2**63 - 1
+MAX_TOP_K = 2**31 - 1  # beyond any vocabulary: every value above the vocab size means "off"
+MAX_GEN_TOKENS = 2**31 - 1  # the context window caps it far earlier; this only keeps it finite
+MAX_LOGPROBS = 20
+MAX_SAMPLING_TEMPERATURE = 100.0
+SEED_RANGE = (0, MAX_INT64)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -56,16 +68,27 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs to return per token, None = off
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise MessageError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise MessageError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 1 <= self.max_tokens <= MAX_GEN_TOKENS:
+            raise MessageError(
+                f"max_tokens must be in [1, {MAX_GEN_TOKENS}], got {self.max_tokens}"
+            )
+        # `not lo <= x <= hi` also refuses NaN.
+        if not 0.0 <= self.temperature <= MAX_SAMPLING_TEMPERATURE:
+            raise MessageError(
+                f"temperature must be in [0, {MAX_SAMPLING_TEMPERATURE:g}], got {self.temperature}"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise MessageError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise MessageError(f"top_k must be >= 0, got {self.top_k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise MessageError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise MessageError(f"top_k must be in [0, {MAX_TOP_K}], got {self.top_k}")
+        lo, hi = SEED_RANGE
+        if self.seed is not None and not lo <= self.seed <= hi:
+            raise MessageError(f"seed must be in [{lo}, {hi}], got {self.seed}")
+        bad = next((t for t in self.stop_token_ids if not 0 <= t <= MAX_INT64), None)
+        if bad is not None:
+            raise MessageError(f"stop_token_ids must be in [0, {MAX_INT64}], got {bad}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise MessageError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:

@@ -16,6 +16,13 @@ rest of the token budget, each engine's rows attending only in its own pool,
 both pools' page tables verified before any read (I1). It sleeps on a condition when
 there is nothing to do. Every request ends exactly once at its sink: its last
 `TokenChunk` (with `finish_reason`) or one `Failure` (I6).
+
+A request that makes the step raise fails alone (engine/row_errors.py: the
+engines run its rows again one by one). An exception no request explains is
+the engine's own fault: every open request fails with a generic 500 (never
+another request's error text), the pipeline is broken from then on (`health`
+says why, each new request is a 503 at once) and the thread stays to answer,
+so no request ever waits on an engine that will not run it.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfence.engine.backend import BackendStats, GenerateWork, PoolInfo, Sink
+from kvfence.engine.collecting import CollectingSink, Result
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.decode import DecodeEngine
 from kvfence.engine.kvlink import KVLinkFactory, apply_transfer_events
@@ -43,11 +51,14 @@ from kvfence.engine.messages import (
 from kvfence.engine.mixed import mixed_step
 from kvfence.engine.prefill import PrefillEngine, PrefillOutput
 from kvfence.engine.routing import Room, Rooms, is_final
+from kvfence.engine.row_errors import describe
 from kvfence.engine.threads import enter_engine_thread
 from kvfence.faults import FaultSet
 from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import KVPool
 from kvfence.model.base import CausalLM
+
+__all__ = ["CollectingSink", "LocalPipeline", "Result"]  # the sink lives in engine/collecting.py
 
 log = logging.getLogger(__name__)
 
@@ -152,10 +163,24 @@ class LocalPipeline:
             self._thread = None
 
     def submit(self, work: GenerateWork, sink: Sink) -> None:
+        why = self._dead_thread()
+        if why is not None:  # nobody would ever run it: end it now (I6)
+            sink(Failure(work.room, ErrorInfo(503, "server_error", why)))
+            return
         with self._cond:
             self._inbox.append(_Submit(work, sink))
             self._idle = False
             self._cond.notify_all()
+
+    def health(self) -> str | None:
+        """None while the engine can serve; else why not (the engine broke, or its thread died)."""
+        return self._broken or self._dead_thread()
+
+    def _dead_thread(self) -> str | None:
+        thread = self._thread
+        if thread is not None and not thread.is_alive():
+            return "the engine thread is not running"
+        return None
 
     def abort(self, room: str, reason: str) -> None:
         with self._cond:
@@ -226,19 +251,27 @@ class LocalPipeline:
                 inbox, self._inbox = self._inbox, []
             try:
                 progressed = self._iterate(inbox)
-            except Exception as e:  # an engine bug: end every open request honestly (I6)
-                log.exception("engine thread failed")
-                self._break(f"engine error: {type(e).__name__}: {e}")
-                return
+            except Exception as e:  # no request explains it: end every open one honestly (I6)
+                log.exception("engine step failed")
+                self._break(f"the engine failed ({type(e).__name__}); it needs a restart")
+                continue  # broken: the loop now only answers new requests with a 503
             if not progressed:
                 with self._cond:
                     self._cond.wait(_IDLE_POLL_S)
 
     def _has_work(self) -> bool:
+        if self._broken is not None:
+            return False  # a broken engine never steps again
         return self.prefill.has_work or self.decode.has_work
 
     def _iterate(self, inbox: Iterable[_Submit | _AbortCmd]) -> bool:
         progressed = False
+        if self._broken is not None:
+            for cmd in inbox:
+                progressed = True
+                if isinstance(cmd, _Submit):
+                    self._route_submit(cmd.work, cmd.sink)  # a 503 naming why
+            return progressed
         for cmd in inbox:
             progressed = True
             if isinstance(cmd, _Submit):
@@ -334,9 +367,18 @@ class LocalPipeline:
                 self.decode.abort(event.room, "sink failed")
 
     def _break(self, why: str) -> None:
+        """End every open request with `why` (the engine's fault, no request's text) and
+        release what the engines still hold, as far as a failed engine allows."""
         self._broken = why
-        for room in list(self.rooms.open):
+        rooms = list(self.rooms.open)
+        for room in rooms:
             self._deliver(Failure(room, ErrorInfo(500, "server_error", why)))
+        for room in rooms:
+            try:
+                self.prefill.abort(room, why)
+                self.decode.abort(room, why)
+            except Exception as e:
+                log.error("releasing room %s after the engine failed: %s", room, describe(e))
         with self._cond:
             self._idle = True
             self._cond.notify_all()
@@ -351,40 +393,3 @@ def _pool_info(role: str, pool: KVPool) -> PoolInfo:
         pages_free=pool.num_free,
         pages_pending=pool.num_pending,
     )
-
-
-@dataclass(slots=True)
-class Result:
-    token_ids: list[int]
-    logprobs: list[tuple[tuple[int, float], ...]]
-    finish_reason: str | None
-    error: ErrorInfo | None
-    cached_tokens: int
-
-
-class CollectingSink:
-    """A sink that gathers one request's events; `wait()` returns its `Result`."""
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self._result = Result([], [], None, None, 0)
-        self.events: list[TokenChunk | Failure] = []
-
-    def __call__(self, event: TokenChunk | Failure) -> None:
-        self.events.append(event)
-        r = self._result
-        if isinstance(event, Failure):
-            r.error = event.error
-            self._done.set()
-            return
-        r.token_ids.extend(event.token_ids)
-        r.logprobs.extend(event.logprobs)
-        r.cached_tokens = event.cached_tokens
-        if event.finish_reason is not None:
-            r.finish_reason = event.finish_reason
-            self._done.set()
-
-    def wait(self, timeout: float | None = None) -> Result:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request did not end within {timeout} s")
-        return self._result

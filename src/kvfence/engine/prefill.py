@@ -30,6 +30,7 @@ from kvfence.engine.prefill_pages import allocate, cache_full_pages
 from kvfence.engine.prefill_seq import PrefillOutput, PrefillSeq, PrefillStep
 from kvfence.engine.prefix_cache import PrefixCache
 from kvfence.engine.request import Request, RequestError, RequestState
+from kvfence.engine.row_errors import RowError
 from kvfence.engine.runner import Forwarded, ModelRunner, release_current
 from kvfence.engine.sampling import Sampler, SampleRow, TokenLogprobs
 from kvfence.faults import Fault, FaultSet
@@ -56,7 +57,7 @@ class PrefillEngine:
         self.config = config
         self.faults = faults or FaultSet()
         self.runner = ModelRunner(model, pool)
-        self.sampler = Sampler(config.sampler_seed)
+        self.sampler = Sampler(config.sampler_seed, self.faults)
         self.cache = PrefixCache(
             pool,
             faults=self.faults,
@@ -171,14 +172,18 @@ class PrefillEngine:
         return PrefillStep(plan, self._rows(plan))
 
     def finish_step(self, planned: PrefillStep, out: Forwarded) -> None:
-        """Take the step's forward: fail refused rows (I1), record chunks, send finished prompts."""
+        """Take the step's forward: fail refused rows (I1) and rows that raised alone, record
+        chunks, send finished prompts (a prompt whose sampling raises alone fails alone)."""
         plan = self._drop_refused(planned.plan, out)
         done = self._advance(plan)
         if done and out.logits is not None:
             rows = [SampleRow(plan[i][0].work.sampling, 0) for i in done]
-            result = self.sampler.sample(out.logits[done], rows)
-            for i, token, lps in zip(done, result.tokens, result.logprobs, strict=True):
-                self._send(plan[i][0], token, lps or ())
+            drawn = self.sampler.sample_isolated(out.logits[done], rows)
+            for i, sampled in zip(done, drawn, strict=True):
+                if isinstance(sampled, RowError):
+                    self._fail(plan[i][0], sampled.request_error())
+                else:
+                    self._send(plan[i][0], sampled[0], sampled[1] or ())
 
     def _schedule_running(self, budget: int) -> list[tuple[PrefillSeq, int]]:
         """The next chunk of every running prompt, oldest first, while the budget lasts."""
@@ -266,9 +271,13 @@ class PrefillEngine:
     def _drop_refused(
         self, plan: list[tuple[PrefillSeq, int]], out: Forwarded
     ) -> list[tuple[PrefillSeq, int]]:
-        """Fail the rows whose page tables the ledger refused (I1); the rest ran."""
+        """Fail the rows whose page tables the ledger refused (I1), and the rows that raised
+        when run alone (each with its own error); the rest ran."""
         for i in out.refused:
-            self._fail(plan[i][0], str(out.violation))
+            self.counters.isolation_violations += 1
+            self._fail(plan[i][0], RequestError(500, "isolation_violation", str(out.violation)))
+        for failed in out.failed:
+            self._fail(plan[failed.index][0], failed.request_error())
         return [plan[i] for i in out.kept]
 
     def _advance(self, plan: list[tuple[PrefillSeq, int]]) -> list[int]:
@@ -301,10 +310,9 @@ class PrefillEngine:
             )
         )
 
-    def _fail(self, seq: PrefillSeq, violation: str) -> None:
-        self.counters.isolation_violations += 1
+    def _fail(self, seq: PrefillSeq, error: RequestError) -> None:
+        """A running prompt ends with `error`: its pages go now, decode is told (I6, I7)."""
         self.counters.failed += 1
-        error = RequestError(500, "isolation_violation", violation)
         seq.req.fail(error)
         self.running.remove(seq)
         self._release(seq)

@@ -4,6 +4,9 @@ Greedy rows take the argmax. Other rows go through temperature, top-k and
 top-p (all vectorised over the batch) and then draw with the exponential-race
 trick (argmax of p / E, E ~ Exp(1)), which equals sampling from p.
 
+A batch whose sampling raises is sampled again row by row (`sample_isolated`):
+a row that raises alone fails its own request only.
+
 Seeded requests are reproducible whatever else is in the batch and whichever
 engine draws the token: the noise for output token `i` of a request comes from
 a generator seeded with `(seed, i)` alone, so prefill (token 0) and decode
@@ -12,12 +15,17 @@ a generator seeded with `(seed, i)` alone, so prefill (token 0) and decode
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvfence.engine.messages import SamplingParams
+from kvfence.engine.row_errors import RowError, StepFailed, describe
+from kvfence.faults import POISON_SEED, Fault, FaultSet
+
+log = logging.getLogger(__name__)
 
 TokenLogprobs = tuple[tuple[int, float], ...]
 """One output token's logprobs: (sampled id, its logprob) first, then the top-k alternatives."""
@@ -42,20 +50,65 @@ class SampleResult:
     logprobs: list[TokenLogprobs | None]
 
 
+Sampled = tuple[int, TokenLogprobs | None]
+"""One row's draw: the token and, when asked for, its logprobs."""
+
+
 class Sampler:
     """Stateless except for the generator used by unseeded rows."""
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, faults: FaultSet | None = None) -> None:
         self._generator = torch.Generator()
         if seed is None:
             self._generator.seed()
         else:
             self._generator.manual_seed(seed)
+        self.faults = faults or FaultSet()
+
+    def sample_isolated(
+        self, logits: torch.Tensor, rows: Sequence[SampleRow]
+    ) -> list[Sampled | RowError]:
+        """`sample`, with each row's outcome its own: when the batch raises, every row is
+        sampled alone and a row that raises again is a `RowError` (its request fails, no
+        other). `StepFailed` when every row raises alone and so does a draw of no request."""
+        try:
+            result = self.sample(logits, rows)
+            return list(zip(result.tokens, result.logprobs, strict=True))
+        except Exception as error:
+            log.warning("sampling %d rows raised %s: sampling each alone", len(rows), error)
+            first = error
+        out: list[Sampled | RowError] = []
+        for i, row in enumerate(rows):
+            try:
+                one = self.sample(logits[i : i + 1], [row])
+                out.append((one.tokens[0], one.logprobs[0]))
+            except Exception as e:
+                out.append(RowError(i, describe(e)))
+        if all(isinstance(o, RowError) for o in out):
+            broken = self._probe(logits.shape[-1])
+            if broken is not None:
+                raise StepFailed(
+                    f"every row of a {len(rows)}-row batch failed to sample ({describe(first)}), "
+                    f"and so did a probe with default parameters ({broken})"
+                ) from first
+        return out
+
+    def _probe(self, vocab: int) -> str | None:
+        """None when a draw of no request (default parameters) works; else its error."""
+        try:
+            self.sample(torch.zeros(1, vocab), [SampleRow(SamplingParams(), 0)])
+            return None
+        except Exception as e:
+            return describe(e)
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
         """logits: [B, V] float32 (one row per entry of `rows`)."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sample rows")
+        if Fault.POISONED_SAMPLING in self.faults and any(
+            r.params.seed == POISON_SEED for r in rows
+        ):
+            raise RuntimeError("lab fault poisoned-sampling: this batch holds a poisoned request")
         logits = logits.float()
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]

@@ -156,7 +156,13 @@ def _add_error_handlers(app: Starlette) -> None:
 
 def _generate_routes(router: Router, admission: Admission, config: ServeConfig) -> list[Route]:
     async def health(_request: Request) -> Response:
-        return Response(status_code=200)
+        # Unauthenticated, so the reason is the backend's own words (no request's content).
+        why = router.backend.health()
+        if why is None:
+            return Response(status_code=200)
+        err = ApiError(503, f"the engine cannot serve: {why}", type="server_error",
+                       code="engine_unavailable")  # fmt: skip
+        return JSONResponse(err.body(), status_code=503)
 
     async def completions(request: Request) -> Response:
         return await router.generate(request, "completion")

@@ -30,6 +30,11 @@ from kvfence.serve.fields import (
     token_ids,
 )
 
+# top_k's edge limit: the engine's own (engine/messages.py; a test keeps the two equal).
+# Above any vocabulary, so every value the sampler can run is accepted and means "off"
+# beyond the vocab size; what lies above it (e.g. 2**63) is a 400 here, never a step error.
+MAX_TOP_K = 2**31 - 1
+
 _COMMON = frozenset(
     {
         "model",
@@ -91,7 +96,9 @@ def _sampling_common(obj: Mapping[str, Any]) -> dict[str, Any]:
     top_p = number(obj, "top_p", 1.0)
     if not 0.0 < top_p <= 1.0:
         raise bad_request(f"`top_p` must be in (0, 1], got {top_p:g}", "top_p")
-    top_k = integer(obj, "top_k", 0, -1, None)
+    # Bounded here, not only in the engine: a value torch cannot hold is a 400 naming the
+    # field and its limit, never an error inside a step shared with other tenants.
+    top_k = integer(obj, "top_k", 0, -1, MAX_TOP_K)
     assert top_k is not None
     stream = boolean(obj, "stream", False)
     stop_ids = obj.get("stop_token_ids")

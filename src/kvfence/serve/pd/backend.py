@@ -174,6 +174,24 @@ class PDBackend:
             )  # fmt: skip
             return BackendStats(counters, pools)
 
+    def health(self) -> str | None:
+        """Unhealthy while the router's poller is down or a role has no live worker: a worker
+        that reported and then fell silent (dead, or exited on an engine fault), or none yet."""
+        thread = self._thread
+        if thread is not None and not thread.is_alive():
+            return "the router's poller thread is not running"
+        now = time.monotonic()
+        with self._lock:
+            for role, table in (("prefill", self._prefill), ("decode", self._decode)):
+                live = [
+                    w
+                    for w in table.values()
+                    if w.status is not None and now - w.seen <= self.timeouts.liveness_s
+                ]
+                if not live:
+                    return f"no live {role} worker (of {len(table)}): none has reported lately"
+        return None
+
     def open_rooms(self) -> int:
         with self._lock:
             return len(self._rooms.open)

@@ -67,6 +67,7 @@ class PairSide(ABC):
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.integrity = ""
+        self._fault: str | None = None  # set once the engine loop raised (health says why)
 
     # ---- the Backend contract (any thread) ---------------------------------------------
 
@@ -93,6 +94,15 @@ class PairSide(ABC):
 
     def abort(self, room: str, reason: str) -> None:
         self._queue(Cancel(room, reason))
+
+    def health(self) -> str | None:
+        """None while the engine can serve; else why not (its loop failed, or its thread died)."""
+        if self._fault is not None:
+            return self._fault
+        thread = self._thread
+        if thread is not None and not thread.is_alive() and not self._stopping.is_set():
+            return f"the {self.role} engine thread is not running"
+        return None
 
     def stats(self) -> BackendStats:
         pool = self.pool
@@ -132,8 +142,11 @@ class PairSide(ABC):
         while not self._stopping.is_set():
             try:
                 self.iterate()
-            except Exception:
+            except Exception as e:
                 log.exception("%s engine loop failed", self.role)
+                # A request that makes a step raise fails alone inside the engine; this is
+                # the engine's own fault, so /health turns false until a restart.
+                self._fault = f"the {self.role} engine failed ({type(e).__name__})"
                 self.fail_all("the engine failed")
                 time.sleep(0.1)
 
