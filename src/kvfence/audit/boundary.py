@@ -67,7 +67,7 @@ def judge_accept(r: ProbeResponse, prompt: Prompt, mirror: bool) -> tuple[Verdic
     if not r.ok:
         return (
             Verdict.INCONCLUSIVE,
-            f"in-limit prompt rejected with {r.status} ({r.error_message[:200]!r}): "
+            f"in-limit prompt rejected ({r.outcome()}): "
             "the engine's declared limit is not the one it enforces",
         )
     if not has_content(r):
@@ -80,7 +80,7 @@ def judge_accept(r: ProbeResponse, prompt: Prompt, mirror: bool) -> tuple[Verdic
     if mirror and prompt.text and r.text.strip() and r.text.strip() not in prompt.text:
         return (
             Verdict.FAIL,
-            f"mirror model answered {r.text[:120]!r}, which is not in the request's own prompt: "
+            f'mirror model answered "{r.text[:120]}", which is not in the request\'s own prompt: '
             "it read KV the request did not write",
         )
     return Verdict.PASS, f"{r.status} with its own content"
@@ -95,7 +95,7 @@ def judge_reject(r: ProbeResponse, why: str = "over the advertised limit") -> tu
         return (
             Verdict.FAIL,
             f"prompt {why} answered {r.status} {what} (finish_reason={r.finish_reason}, "
-            f"text={r.text[:120]!r}) — a rejected request must never answer success",
+            f'text "{r.text[:120]}") — a rejected request must never answer success',
         )
     if not r.body.strip():
         return Verdict.FAIL, f"{r.status} with an empty body: the original error was lost"

@@ -159,7 +159,7 @@ class CanaryCheck(Check):
                 Verdict.FAIL,
                 f"tenant A's sentinel {first['tenant_a_request']['sentinel']} reached tenant B "
                 f"({len(hits)} hits; first in '{first['tenant_b_request']['label']}', "
-                f"status {first['tenant_b_request']['status']}, matched {first['matched']!r})",
+                f'status {first["tenant_b_request"]["status"]}, matched "{first["matched"]}")',
                 evidence,
             )
         if a_ok == 0:

@@ -56,10 +56,11 @@ class CountersCheck(Check):
                 evidence,
             )
         if unreadable:
+            why = _why_unreadable(before, after, unreadable)
             return self.result(
                 target,
                 Verdict.INCONCLUSIVE,
-                "counters not readable before and after: " + ", ".join(unreadable),
+                "counters not readable before and after: " + ", ".join(unreadable) + why,
                 evidence,
             )
         return self.result(
@@ -82,6 +83,13 @@ class CountersCheck(Check):
                 {"premises": [premise.to_json()]},
             )
         return self.result(target, Verdict.SKIPPED, none, {"premises": [premise.to_json()]})
+
+
+def _why_unreadable(before: dict[str, Fact], after: dict[str, Fact], names: list[str]) -> str:
+    """The engine's reasons (each once), e.g. that /metrics needs --operator-key."""
+    notes = [f.note for n in names for f in (before.get(n), after.get(n)) if f and not f.known]
+    distinct = list(dict.fromkeys(n for n in notes if n))
+    return f" ({'; '.join(distinct)})" if distinct else ""
 
 
 def _informational(before: dict[str, Fact], after: dict[str, Fact]) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from kvfence.audit.latency_analysis import (
 )
 from kvfence.audit.latency_log import analyse_log, latency_command, parse_log_lines
 from kvfence.audit.targets.base import Target
+from kvfence.audit.vocabulary import within_vocabulary
 
 __all__ = [
     "LatencyAnalysis",
@@ -70,7 +71,8 @@ class LatencyCheck(Check):
 
     def run(self, ctx: AuditContext, target: Target) -> CheckResult:
         client = ctx.client(target, "b")
-        limit_fact = target.facts(client).input_limit(ctx.context_override)
+        facts = target.facts(client)
+        limit_fact = facts.input_limit(ctx.context_override)
         limit = limit_fact.as_int()
         if limit is None:
             return self.result(
@@ -81,13 +83,15 @@ class LatencyCheck(Check):
             )
         alpha = self.config.alpha if self.config.alpha is not None else ctx.alpha_for(self.name)
         level = alpha / self.config.sweeps  # each sweep is tested alone at its share
-        cfg = replace(self.config, alpha=level)
+        ids = within_vocabulary(self.config.token_range, facts.vocab_size)
+        cfg = replace(self.config, alpha=level, token_range=ids)
         lengths = cfg.sweep(limit)
         repeats = cfg.repeats_for(level)
         sweep, result, earlier = _decisive_sweep(ctx, client, cfg, lengths, repeats)
         evidence = result.evidence
         evidence["sweep"] = {"lengths": lengths, "repeats": repeats, "limit": limit_fact.to_json()}
         evidence["earlier_sweeps"] = earlier  # ambiguous ones, each replaced by a fresh sweep
+        evidence["token_ids"] = {"range": list(ids), "vocab_size": facts.vocab_size.to_json()}
         evidence["alpha_per_sweep"] = level
         evidence["design_p_value"] = 2 * design_p_value(repeats, repeats, cfg.slack)
         evidence["errors"] = sweep.errors[:5]
@@ -101,7 +105,11 @@ class LatencyCheck(Check):
         planned = len(lengths) * repeats
         if verdict is not Verdict.FAIL and len(sweep.errors) > cfg.max_error_fraction * planned:
             verdict = Verdict.INCONCLUSIVE
-            summary = f"{len(sweep.errors)} of {planned} timing probes failed; {summary}"
+            first_error = sweep.errors[0].get("outcome")
+            summary = (
+                f"{len(sweep.errors)} of {planned} timing probes failed "
+                f"(first: {first_error}); {summary}"
+            )
         plots = [result.plot] if result.plot is not None else []
         out = self.result(target, verdict, summary, evidence, plots)
         # Bonferroni-adjusted over the sweeps the design allows: comparable with the check's alpha.

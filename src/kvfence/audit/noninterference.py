@@ -30,6 +30,7 @@ from kvfence.audit.base import AuditContext, Check, CheckResult, JSONValue, Verd
 from kvfence.audit.noninterference_probes import Load, NoninterferenceConfig, Probes, Tally
 from kvfence.audit.stats import DivergenceTest, divergence_excess
 from kvfence.audit.targets.base import Target, TargetFacts
+from kvfence.audit.vocabulary import within_vocabulary
 
 NONINTERFERENCE_MISSES = 1  # divergent load repeats a leak may miss and still be caught
 
@@ -86,7 +87,8 @@ class NoninterferenceCheck(Check):
         repeats = fisher_repeats_for(
             alpha / (len(lengths) + 1), self.config.repeats, misses=NONINTERFERENCE_MISSES
         )
-        cfg = replace(self.config, alpha=alpha, repeats=repeats)
+        ids = within_vocabulary(self.config.token_range, facts.vocab_size)
+        cfg = replace(self.config, alpha=alpha, repeats=repeats, token_range=ids)
         rng = random.Random(ctx.rng.random())
         lo, hi = cfg.token_range
         all_prompts = [[rng.randrange(lo, hi) for _ in range(n)] for n in lengths]
@@ -96,7 +98,7 @@ class NoninterferenceCheck(Check):
             return self.result(
                 target,
                 Verdict.INCONCLUSIVE,
-                f"B's probe failed alone (status {first.status}): nothing to compare",
+                f"B's probe failed alone ({first.outcome()}): nothing to compare",
                 {"probe": first.brief()},
             )
         probes.references(all_prompts[1:])
@@ -107,6 +109,10 @@ class NoninterferenceCheck(Check):
         result.evidence["probe_tokens"] = [len(p) for p in probes.prompts]
         result.evidence["probe_lengths_from"] = how
         result.evidence["dropped_probes"] = probes.dropped
+        result.evidence["token_ids"] = {
+            "range": list(ids),
+            "vocab_size": facts.vocab_size.to_json(),
+        }
         result.alpha, p = alpha, result.evidence.get("p_value")
         result.p_value = p if isinstance(p, float) else None
         return result

@@ -59,6 +59,7 @@ from kvfence.audit.prefix_trials import (
 )
 from kvfence.audit.stats import SequentialResult
 from kvfence.audit.targets.base import Target, TargetFacts
+from kvfence.audit.vocabulary import within_vocabulary
 
 __all__ = ["Arms", "PrefixSharingCheck", "PrefixSharingConfig", "judge", "prefix_length"]
 
@@ -89,6 +90,7 @@ class PrefixSharingCheck(Check):
         on = dropped is not None and self.config.salt != "off"
         routes = self.config.salt_routes if on else ()
         cfg, scale = self._sized(ctx, len(runs) + len(routes))
+        cfg = replace(cfg, token_range=within_vocabulary(cfg.token_range, facts.vocab_size))
         prefix_len, how = prefix_length(cfg, facts, ctx.context_override, scale)
         if prefix_len is None:
             return self.result(target, Verdict.INCONCLUSIVE, how, {"facts": facts.to_json()})
@@ -295,7 +297,7 @@ def judge(
         return (
             Verdict.INCONCLUSIVE,
             f"{len(arms.errors)} of {len(arms.shared) + len(arms.errors)} trials failed "
-            f"(first: status {first.get('status')} {first.get('error') or ''})",
+            f"(first: {first.get('outcome') or 'none recorded'})",
             ev,
         )
     return (

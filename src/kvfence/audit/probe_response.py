@@ -89,6 +89,16 @@ class ProbeResponse:
                 return str(j["message"])
         return ""
 
+    def outcome(self) -> str:
+        """One phrase for a report: the status and the engine's own words for a failure
+        ("HTTP 400: `prompt` holds token id 475, ..."), or why no answer came."""
+        if self.status is None:
+            return f"no HTTP answer: {self.error or 'no reason given'}"
+        if self.ok:
+            return f"HTTP {self.status}"
+        said = " ".join((self.error_message or self.body).split())
+        return f"HTTP {self.status}: {said[:300]}" if said else f"HTTP {self.status}, empty body"
+
     def searchable(self) -> str:
         """Everything the server sent, for content searches: body, all chunks, all texts."""
         return "\n".join([self.body, *self.chunks, *self.texts])
@@ -101,6 +111,7 @@ class ProbeResponse:
             "request": _truncate_request(self.request),
             "status": self.status,
             "error": self.error,
+            "outcome": self.outcome(),
             "text": self.text[:500],
             "body": self.body[:1000],
             "finish_reason": self.finish_reason,

@@ -109,6 +109,8 @@ class TargetFacts:
     counters: dict[str, Fact] = field(default_factory=dict)
     extra: dict[str, Fact] = field(default_factory=dict)
     nodes: list[NodeFacts] = field(default_factory=list)
+    # Token ids the model accepts: [0, vocab_size). Probes draw their ids below it.
+    vocab_size: Fact = field(default_factory=lambda: Fact.unknown("not stated by the engine"))
 
     def input_limit(self, context_override: int | None = None) -> Fact:
         """The longest accepted prompt: the override, else max_input, else context_length."""
@@ -131,6 +133,7 @@ class TargetFacts:
                 "prefix_caching",
                 "cache_salt_supported",
                 "tokenizer",
+                "vocab_size",
             )
         }
         out["counters"] = {k: v.to_json() for k, v in self.counters.items()}
@@ -211,10 +214,25 @@ def samples_named(samples: list[Sample], name: str) -> list[Sample]:
     return [s for s in samples if s.name == name]
 
 
-def metric_sum(samples: list[Sample] | None, name: str, source: str) -> Fact:
-    """The sum of a metric's samples across label sets, or unknown if absent."""
+def unanswered(ep: Endpoints, path: str) -> str:
+    """Why `path` gave nothing to read, naming the option that fixes a refused credential."""
+    r = ep.get(path)
+    if r.status in (401, 403):
+        fix = (
+            "the --operator-key given was refused"
+            if ep.client.operator_key
+            else "pass --operator-key (or set KVFENCE_AUDIT_OPERATOR_KEY)"
+        )
+        return f"GET {path} answered {r.status}: it is operator data; {fix}"
+    return f"GET {path} gave nothing to read ({r.outcome()})"
+
+
+def metric_sum(
+    samples: list[Sample] | None, name: str, source: str, why: str = "/metrics did not answer 200"
+) -> Fact:
+    """The sum of a metric's samples across label sets, or unknown (`why`: no samples at all)."""
     if samples is None:
-        return Fact.unknown(source, "/metrics did not answer 200")
+        return Fact.unknown(source, why)
     found = samples_named(samples, name)
     if not found:
         return Fact.unknown(source, f"{name} not exposed")

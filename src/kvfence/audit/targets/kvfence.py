@@ -19,9 +19,11 @@ from kvfence.audit.targets.base import (
     models_fact,
     samples_named,
     tokenizer_fact,
+    unanswered,
 )
 
 SERVER_INFO = "/server_info"
+OPENAPI = "/openapi.json"
 # Counters that must never move in production (I1, I3, transfers).
 ISOLATION_COUNTERS = (
     "kvfence_isolation_violations_total",
@@ -55,6 +57,7 @@ class KvfenceTarget(Target):
         _read_sizes(facts, info)
         _read_prefix_cache(facts, info)
         facts.tokenizer = tokenizer_fact(client)
+        facts.vocab_size = _vocab(ep, info)
         for key in ("undersized_pool", "disaggregated", "transport", "scrub_policy", "auth"):
             v = info.get(key)
             if isinstance(v, bool | int | float | str):
@@ -68,8 +71,10 @@ class KvfenceTarget(Target):
 
     def _counters(self, ep: Endpoints) -> dict[str, Fact]:
         samples = ep.metrics()
+        why = unanswered(ep, "/metrics") if samples is None else ""
         out = {
-            name: metric_sum(samples, name, f"GET /metrics {name}") for name in ISOLATION_COUNTERS
+            name: metric_sum(samples, name, f"GET /metrics {name}", why)
+            for name in ISOLATION_COUNTERS
         }
         for s in samples_named(samples or [], "kvfence_requests_total"):
             outcome = s.labels.get("outcome", "?")
@@ -107,6 +112,30 @@ def _read_sizes(facts: TargetFacts, info: dict[str, Any]) -> None:
     else:
         facts.max_input = Fact.unknown("GET /server_info max_req_input_len", "absent")
     facts.page_size = _num(info, "page_size")
+
+
+def _vocab(ep: Endpoints, info: dict[str, Any]) -> Fact:
+    """The vocabulary from /server_info when it says, else from the token-id bound the
+    server's OpenAPI document states for a completion prompt (`maximum` = vocab - 1)."""
+    stated, _ = json_int(info, "vocab_size")
+    if stated is not None:
+        return Fact(stated, "GET /server_info vocab_size")
+    doc = ep.json(OPENAPI)
+    src = f"GET {OPENAPI} /v1/completions prompt token id maximum + 1"
+    if doc is None:
+        return Fact.unknown(src, f"GET {OPENAPI} did not answer 200 with JSON")
+    try:
+        body = doc["paths"]["/v1/completions"]["post"]["requestBody"]
+        prompt = body["content"]["application/json"]["schema"]["properties"]["prompt"]
+        forms = prompt["anyOf"]
+    except (KeyError, TypeError):
+        return Fact.unknown(src, "not stated")
+    for form in forms if isinstance(forms, list) else []:
+        items = form.get("items") if isinstance(form, dict) else None
+        top, _ = json_int(items if isinstance(items, dict) else None, "maximum")
+        if top is not None:
+            return Fact(top + 1, src)
+    return Fact.unknown(src, "no token-id bound in the schema")
 
 
 def _read_prefix_cache(facts: TargetFacts, info: dict[str, Any]) -> None:

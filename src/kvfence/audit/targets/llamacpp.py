@@ -54,6 +54,10 @@ class LlamacppTarget(Target):
             False, "llama-server", "cache_salt is accepted and silently ignored (PEERS.md)"
         )
         facts.tokenizer = tokenizer_fact(client)
+        meta = (entry or {}).get("meta")
+        n_vocab, _ = json_int(meta if isinstance(meta, dict) else None, "n_vocab")
+        if n_vocab is not None:
+            facts.vocab_size = Fact(n_vocab, "GET /v1/models data[0].meta.n_vocab")
         samples = ep.metrics()
         for name in ("llamacpp:prompt_tokens_total", "llamacpp:requests_processing"):
             found = samples_named(samples or [], name)
