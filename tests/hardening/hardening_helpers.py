@@ -13,6 +13,7 @@ import httpx
 
 from kvfence.serve.app import create_app
 from kvfence.serve.build import PoolSizes, ServerParts, build_local
+from kvfence.serve.http_edge import DEFAULT_HTTP_LIMITS, HttpLimits
 from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.thread import ServerThread
 
@@ -79,6 +80,7 @@ def live_server(
     pages: int = 256,
     body_timeout_s: float = 60.0,
     chunk_size: int | None = None,
+    http_limits: HttpLimits = DEFAULT_HTTP_LIMITS,
 ) -> Iterator[Live]:
     parts = build_local(
         checkpoint,
@@ -94,7 +96,7 @@ def live_server(
     app = create_app(parts.pipeline, parts.loaded.tokenizer, parts.config, registry)
     parts.pipeline.start()
     try:
-        with ServerThread(app) as srv:
+        with ServerThread(app, limits=http_limits) as srv:
             yield Live(srv.url, parts, registry)
     finally:
         parts.pipeline.stop()

@@ -23,6 +23,8 @@ from typing import Any
 from kvfence.engine.messages import MessageError, SamplingParams
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve import protocol
+from kvfence.serve.body import BODY_FLOOR as BODY_FLOOR  # re-exported for the sglang stack
+from kvfence.serve.body import body_limit_for
 from kvfence.serve.config import Capacity, ServeConfig
 from kvfence.serve.errors import ApiError, bad_request
 from kvfence.serve.fields import load_json
@@ -31,22 +33,11 @@ from kvfence.serve.protocol import GenerationRequest, Kind
 from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.tokenizing import INLINE_BYTES, TokenizerPool, encoded_ahead
 
-# The body limit: a floor every server takes, plus room per context token. A prompt that
-# fills the context as token ids ("151643, ": 8 bytes a token) or as text (about 4 bytes a
-# token; \uXXXX escapes 6 a character) fits several times over, and no body is bigger than
-# that for long: a 10 MB body is refused from its Content-Length below ~290k tokens of context.
-BODY_FLOOR = 1024 * 1024
-BODY_BYTES_PER_TOKEN = 32
 # Unicode normalization (NFC, NFKC) can fold up to 3 code points into one (Hangul jamo,
 # stacked diacritics) before the tokenizer sees them: room for 4 keeps the bound an upper one.
 CHARS_FOLDED = 4
 # Some tokenizers map a whole overlong word to one unknown token (WordPiece: 100 characters).
 MIN_TOKEN_CHARS = 128
-
-
-def body_limit_for(context_length: int) -> int:
-    """The largest request body read for a model of `context_length` tokens, in bytes."""
-    return BODY_FLOOR + BODY_BYTES_PER_TOKEN * context_length
 
 
 def longest_token_chars(tokenizer: Tokenizer) -> int:

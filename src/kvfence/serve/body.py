@@ -17,9 +17,26 @@ from starlette.requests import ClientDisconnect, Request
 
 from kvfence.serve.errors import ApiError
 
+# The body limit: a floor every server takes, plus room per context token. A prompt that
+# fills the context as token ids ("151643, ": 8 bytes a token) or as text (about 4 bytes a
+# token; \uXXXX escapes 6 a character) fits several times over, and nothing bigger is read:
+# a 10 MB body is refused from its Content-Length below ~290k tokens of context.
+BODY_FLOOR = 1024 * 1024
+BODY_BYTES_PER_TOKEN = 32
+
+
+def body_limit_for(context_length: int) -> int:
+    """The largest request body read for a model of `context_length` tokens, in bytes."""
+    return BODY_FLOOR + BODY_BYTES_PER_TOKEN * context_length
+
 
 def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+    return ApiError(
+        413,
+        f"request body exceeds {limit} bytes, this server's limit ({BODY_FLOOR} bytes plus "
+        f"{BODY_BYTES_PER_TOKEN} per token of context); send a shorter prompt",
+        code="body_too_large",
+    )
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:

@@ -14,7 +14,9 @@ dropped for a short while. Closing a socket with unread data makes the kernel
 reset the connection, and a client still sending its 1 MB header would then
 see a reset instead of the 431.
 
-Once a request's headers are whole its body has its own limits (`body.py`).
+Once a request's headers are whole its body has its own limits (`body.py`); a
+request answered before its body was read (a 413, say) is closed the same
+way, not read to its end to keep the connection.
 """
 
 from __future__ import annotations
@@ -140,11 +142,24 @@ class EdgeProtocol(H11Protocol):
             "header_timeout",
         )
 
+    def on_response_complete(self) -> None:
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            # Answered before its body was read (413, 408, 401, ...): reading the rest only to
+            # keep the connection open would make the server take in what it just refused.
+            self.server_state.total_requests += 1
+            self._linger()
+            return
+        super().on_response_complete()
+
     def _refuse(self, status: int, message: str, code: str) -> None:
+        self.transport.write(error_response(status, message, code))
+        self._linger()
+
+    def _linger(self) -> None:
+        """Shut the write side, drop what the client still sends, close within `LINGER_S`."""
         self._disarm()
         self._unset_keepalive_if_required()
         self.lingering = True
-        self.transport.write(error_response(status, message, code))
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self.loop.call_later(LINGER_S, self.transport.close)

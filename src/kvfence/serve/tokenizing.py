@@ -3,9 +3,10 @@
 Encoding a prompt and rendering a chat template cost about a microsecond per
 character: on the event loop, one large prompt would stall every other
 tenant's requests (their admission, their streamed tokens) for as long. Work
-above `INLINE_BYTES` of body therefore runs in a thread pool with one worker
-per usable core, the bound on how much of the machine tokenizing can take
-(the `tokenizers` library releases the GIL while it encodes, so the loop keeps
+above `INLINE_BYTES` of body therefore runs in a thread pool sized to the
+usable cores, the bound on how much of the machine tokenizing can take
+(half of them: the engine's step and the event loop keep the rest; the
+`tokenizers` library releases the GIL while it encodes, so the loop keeps
 running). Small bodies are tokenized inline: their cost is below a thread hop's
 and they never queue behind a large one.
 
@@ -40,11 +41,16 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def default_workers() -> int:
+    """Half the usable cores (at least one): the engine's step and the loop keep the rest."""
+    return max(1, usable_cores() // 2)
+
+
 class TokenizerPool:
     """At most `workers` tokenizations at once; later ones wait their turn in the pool's queue."""
 
     def __init__(self, workers: int | None = None) -> None:
-        self.workers = workers or usable_cores()
+        self.workers = workers or default_workers()
         self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="kvf-tokenize")
 
     async def run(self, size: int, fn: Callable[[], T]) -> T:
