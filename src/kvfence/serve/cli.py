@@ -63,8 +63,11 @@ EXIT_GATE = 1
     "tenants_file",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help='JSON {"tenants": [{"name": ..., "keys": [...]}]} [default: two generated tenants]',
+    help='JSON {"tenants": [{"name": ..., "keys": [...]}]} [default: two generated tenants]; '
+    "a tenant without limits gets the defaults (one longest prompt waiting, a quarter of the "
+    'prefill pool in flight, 20 refusals then 2/s), "limits": "unlimited" none',
 )
+@click.option("--unlimited-tenants", is_flag=True, help="no default limits (explicit choice)")
 @click.option("--no-auth", is_flag=True, help="dev mode: one tenant, no keys (loopback only)")
 @click.option(
     "--operator-key",
@@ -213,6 +216,7 @@ def serve(
     tenants_file: Path | None,
     no_auth: bool,
     operator_keys: tuple[str, ...],
+    unlimited_tenants: bool,
     context_length: int | None,
     kv_pages: str | None,
     kv_bytes: str | None,
@@ -249,7 +253,7 @@ def serve(
         faults = FaultSet.parse(lab_faults)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--lab-fault") from None
-    tenants = _tenants(tenants_file, no_auth, host, operator_keys)
+    tenants = _tenants(tenants_file, no_auth, host, operator_keys, unlimited_tenants)
     prefill_pages, decode_pages = parse_per_role(kv_pages, "--kv-pages")
     prefill_bytes, decode_bytes = parse_per_role(kv_bytes, "--kv-bytes")
     sizes = (prefill_pages, decode_pages, prefill_bytes, decode_bytes, kv_memory_fraction)
@@ -348,10 +352,10 @@ def _gate(parts: ServerParts) -> Capacity:
 
 
 def _tenants(
-    path: Path | None, no_auth: bool, host: str, operator_keys: tuple[str, ...] = ()
+    path: Path | None, no_auth: bool, host: str, keys: tuple[str, ...] = (), unlimited: bool = False
 ) -> TenantRegistry:
     if no_auth:
-        if path is not None or operator_keys:
+        if path is not None or keys:
             raise click.UsageError("--no-auth excludes --tenants and --operator-key")
         if not is_loopback(host):
             raise click.UsageError("--no-auth is only allowed on a loopback host")
@@ -363,8 +367,9 @@ def _tenants(
             registry = TenantRegistry.from_file(path)
         except TenantFileError as e:
             raise click.BadParameter(str(e), param_hint="--tenants") from None
+    registry = registry.without_default_limits() if unlimited else registry
     try:
-        return registry.with_operator_keys(operator_keys)
+        return registry.with_operator_keys(keys)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--operator-key") from None
 

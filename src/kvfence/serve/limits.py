@@ -7,47 +7,144 @@ and `Retry-After`, before a room is made or anything is allocated, so a
 flooder can fill neither the prefill queue nor the pools, and the other
 tenants' requests keep their place. A prompt larger than `max_queued_tokens`
 alone is admitted when the tenant has nothing else queued (otherwise it could
-never be served). Limits come from the tenants file; a tenant without them is
-unlimited. Counts live on the event loop only.
+never be served).
+
+Every tenant is limited unless the operator says otherwise: a bound left out
+(or a tenant with no `limits` at all, generated tenants included) takes the
+default derived from the engine's capacity (`default_limits`: one longest
+request's prompt waiting, a quarter of the prefill pool in flight), `null`
+lifts that one bound, and `"limits": "unlimited"` lifts them all. Limits
+protect the *other* tenants, so the dev mode's single tenant is unlimited.
+
+Refusals cost the server work too (reading and tokenizing a prompt that is
+then refused with a 400, a 413 or a 429 over the queued tokens), so each such
+refused request (`COSTLY_REFUSALS`) takes a token from its tenant's refusal
+bucket (`refusal_burst` tokens, refilled at `refusals_per_s`); with the bucket
+empty the tenant's next requests are answered 429 before their body is read,
+so a flood of over-long prompts costs a bounded amount of work per second
+whatever its rate. Counts live on the event loop only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, NoReturn
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Final, Literal, NoReturn, Protocol
 
 from kvfence.serve.errors import ApiError
 
-LIMIT_FIELDS = ("max_concurrent", "max_queued_tokens", "retry_after_s")
+BOUND_FIELDS: Final = ("max_concurrent", "max_queued_tokens")
+INT_FIELDS: Final = ("retry_after_s", "refusal_burst")
+LIMIT_FIELDS: Final = (*BOUND_FIELDS, *INT_FIELDS, "refusals_per_s")
+UNLIMITED: Final = "unlimited"
+DEFAULT: Final = "default"
+# A tenant's default share of the prefill pool, and its least concurrency (`default_limits`).
+POOL_SHARE: Final = 4
+MIN_CONCURRENT: Final = 8
+# Refusals that cost the server work before they were refused: a prompt read and tokenized
+# (over the context or the pool), a body read up to its size limit or held open too long. A
+# field refused while parsing costs little and is not counted (a client's plain mistakes).
+COSTLY_REFUSALS: Final = frozenset(
+    {
+        "context_length_exceeded",
+        "pool_capacity_exceeded",
+        "body_too_large",
+        "body_timeout",
+        "incomplete_body",
+    }
+)
+
+Bound = int | None | Literal["default"]  # None: unbounded; "default": from the capacity
 
 
 @dataclass(frozen=True, slots=True)
 class TenantLimits:
-    max_concurrent: int | None = None
-    max_queued_tokens: int | None = None
+    """One tenant's limits as configured; `resolve` turns "default" bounds into numbers."""
+
+    max_concurrent: Bound = DEFAULT
+    max_queued_tokens: Bound = DEFAULT
     retry_after_s: int = 1
+    refusal_burst: int = 20  # costly refused requests absorbed at once
+    refusals_per_s: float = 2.0  # and per second after that
 
     def __post_init__(self) -> None:
-        for name in LIMIT_FIELDS:
+        for name in BOUND_FIELDS:
             value = getattr(self, name)
-            if value is None and name != "retry_after_s":
+            if value is None or value == DEFAULT:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"limits.{name} must be a positive integer, got {value!r}")
+            _check_int(name, value)
+        for name in INT_FIELDS:
+            _check_int(name, getattr(self, name))
+        rate = self.refusals_per_s
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 < rate < math.inf:
+            raise ValueError(f"limits.refusals_per_s must be a positive number, got {rate!r}")
+
+    @classmethod
+    def unlimited(cls) -> TenantLimits:
+        return cls(max_concurrent=None, max_queued_tokens=None)
 
     @property
-    def unlimited(self) -> bool:
+    def is_unlimited(self) -> bool:
         return self.max_concurrent is None and self.max_queued_tokens is None
+
+    @property
+    def is_default(self) -> bool:
+        return self == TenantLimits()
+
+    def resolve(self, defaults: TenantLimits) -> TenantLimits:
+        """These limits with every "default" bound taken from `defaults`."""
+        bounds = {n: getattr(defaults, n) for n in BOUND_FIELDS if getattr(self, n) == DEFAULT}
+        return replace(self, **bounds)
 
     @classmethod
     def from_json(cls, obj: object) -> TenantLimits:
+        if obj == UNLIMITED:
+            return cls.unlimited()
         if not isinstance(obj, dict) or not set(obj) <= set(LIMIT_FIELDS):
-            raise ValueError(f"limits must be an object with keys among {list(LIMIT_FIELDS)}")
+            raise ValueError(
+                f'limits must be "{UNLIMITED}" or an object with keys among {list(LIMIT_FIELDS)}'
+            )
+        if any(obj.get(n) == DEFAULT for n in BOUND_FIELDS):
+            raise ValueError(f"limits: leave a bound out to take the default, not {DEFAULT!r}")
         return cls(**obj)
 
-    def to_json(self) -> dict[str, int | None]:
-        return {name: getattr(self, name) for name in LIMIT_FIELDS}
+    def to_json(self) -> str | dict[str, Any]:
+        """The tenants-file form: what `from_json` reads back to these same limits."""
+        if self == TenantLimits.unlimited():
+            return UNLIMITED
+        base = TenantLimits()
+        return {n: getattr(self, n) for n in LIMIT_FIELDS if getattr(self, n) != getattr(base, n)}
+
+
+class PoolFacts(Protocol):
+    """What the defaults are derived from (`config.Capacity` has both)."""
+
+    @property
+    def max_total_num_tokens(self) -> int: ...  # the smallest prefill pool, in tokens
+
+    @property
+    def edge_limit(self) -> int: ...  # the longest request admitted, prompt + max_tokens
+
+
+def default_limits(capacity: PoolFacts) -> TenantLimits:
+    """The bounds every tenant gets unless configured.
+
+    max_queued_tokens: the longest request: one long prompt at a time waits for
+    prefill (short ones beside it), so a tenant's prompts never fill the step
+    budget ahead of another tenant's. max_concurrent: as many longest requests
+    as fit in a quarter of the prefill pool, and at least `MIN_CONCURRENT` (a
+    client's usual parallelism; the prompts among them still wait one at a time).
+    """
+    longest = max(1, capacity.edge_limit)
+    share = capacity.max_total_num_tokens // POOL_SHARE
+    return TenantLimits(max(MIN_CONCURRENT, share // longest), max_queued_tokens=longest)
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"limits.{name} must be a positive integer, got {value!r}")
 
 
 @dataclass(slots=True)
@@ -55,6 +152,8 @@ class Usage:
     in_flight: int = 0
     queued_tokens: int = 0
     refused: int = 0
+    refusal_tokens: float = -1.0  # the refusal bucket; < 0: full, not yet drawn on
+    refusal_stamp: float = 0.0
 
 
 @dataclass(slots=True)
@@ -81,14 +180,39 @@ class Slot:
 
 @dataclass(slots=True)
 class AdmissionLimits:
+    """Every tenant's resolved limits and live usage.
+
+    limits: as configured (a tenant not listed is limited by `defaults` alone);
+    defaults: what a "default" bound means on this server (`default_limits`).
+    """
+
     limits: Mapping[str, TenantLimits]
+    defaults: TenantLimits = field(default_factory=TenantLimits.unlimited)
+    clock: Callable[[], float] = time.monotonic
     usage: dict[str, Usage] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if DEFAULT in (self.defaults.max_concurrent, self.defaults.max_queued_tokens):
+            raise ValueError("AdmissionLimits.defaults must be numbers or None, not 'default'")
+        self.limits = {t: lim.resolve(self.defaults) for t, lim in self.limits.items()}
+
+    def of(self, tenant: str) -> TenantLimits:
+        return self.limits.get(tenant, self.defaults)
+
     def precheck(self, tenant: str) -> None:
-        """Before the body is read: a tenant at its concurrency limit costs no parsing."""
-        lim = self.limits.get(tenant, TenantLimits())
+        """Before the body is read: a tenant at its concurrency limit, or out of refusals,
+        costs no parsing."""
+        lim = self.of(tenant)
         use = self.usage.setdefault(tenant, Usage())
-        if lim.max_concurrent is not None and use.in_flight >= lim.max_concurrent:
+        wait = self._refusal_wait(lim, use)
+        if wait is not None:
+            use.refused += 1
+            raise _too_many(
+                f"tenant refused too often: more than {lim.refusal_burst} refused requests at "
+                f"once or {lim.refusals_per_s:g} per second; retry after {wait} s",
+                wait,
+            )
+        if isinstance(lim.max_concurrent, int) and use.in_flight >= lim.max_concurrent:
             self._refuse(
                 lim, use, f"{use.in_flight} requests in flight, the limit is {lim.max_concurrent}"
             )
@@ -96,13 +220,14 @@ class AdmissionLimits:
     def acquire(self, tenant: str, tokens: int) -> Slot:
         """Count the request in, or raise 429 naming the limit it would cross."""
         self.precheck(tenant)
-        lim = self.limits[tenant] if tenant in self.limits else TenantLimits()
+        lim = self.of(tenant)
         use = self.usage[tenant]
         if (
-            lim.max_queued_tokens is not None
+            isinstance(lim.max_queued_tokens, int)
             and use.queued_tokens > 0
             and use.queued_tokens + tokens > lim.max_queued_tokens
         ):
+            self._draw(lim, use)  # its prompt was read and tokenized: a refusal that cost work
             self._refuse(
                 lim,
                 use,
@@ -113,23 +238,56 @@ class AdmissionLimits:
         use.queued_tokens += tokens
         return Slot(use, tokens)
 
+    def refused(self, tenant: str | None, error: ApiError) -> None:
+        """A request of this tenant was refused after costing work: it draws on the bucket.
+
+        Only `COSTLY_REFUSALS` count (the limits' own 429s that cost work are counted by
+        `acquire`), and never a request no tenant sent (401: no one to count it against).
+        """
+        if tenant is None or error.code not in COSTLY_REFUSALS:
+            return
+        lim = self.of(tenant)
+        self._draw(lim, self.usage.setdefault(tenant, Usage()))
+
+    def _draw(self, lim: TenantLimits, use: Usage) -> None:
+        self._refill(lim, use)
+        use.refusal_tokens = max(0.0, use.refusal_tokens - 1.0)
+
+    def _refill(self, lim: TenantLimits, use: Usage) -> None:
+        now = self.clock()
+        if use.refusal_tokens < 0:
+            use.refusal_tokens = float(lim.refusal_burst)
+        else:
+            elapsed = max(0.0, now - use.refusal_stamp)
+            use.refusal_tokens = min(
+                float(lim.refusal_burst), use.refusal_tokens + elapsed * lim.refusals_per_s
+            )
+        use.refusal_stamp = now
+
+    def _refusal_wait(self, lim: TenantLimits, use: Usage) -> int | None:
+        """Whole seconds until the refusal bucket holds a token again; None when it does."""
+        if use.refusal_tokens < 0:
+            return None
+        self._refill(lim, use)
+        if use.refusal_tokens >= 1.0:
+            return None
+        return max(1, math.ceil((1.0 - use.refusal_tokens) / lim.refusals_per_s))
+
     @staticmethod
     def _refuse(lim: TenantLimits, use: Usage, over: str) -> NoReturn:
         use.refused += 1
-        raise ApiError(
-            429,
+        raise _too_many(
             f"tenant over its admission limit: {over}; retry after {lim.retry_after_s} s",
-            type="rate_limit_error",
-            code="tenant_over_limit",
-            headers={"Retry-After": str(lim.retry_after_s)},
+            lim.retry_after_s,
         )
 
     def report(self, tenant: str) -> dict[str, Any]:
         """One tenant's limits and live usage (a tenant sees only its own, I10)."""
         use = self.usage.get(tenant, Usage())
+        lim = self.of(tenant)
         return {
             "tenant": tenant,
-            "limits": self.limits.get(tenant, TenantLimits()).to_json(),
+            "limits": {n: getattr(lim, n) for n in LIMIT_FIELDS},
             "in_flight": use.in_flight,
             "queued_tokens": use.queued_tokens,
             "refused": use.refused,
@@ -138,3 +296,13 @@ class AdmissionLimits:
     def report_all(self) -> list[dict[str, Any]]:
         """Every tenant's: for an operator's view, never a tenant's."""
         return [self.report(t) for t in sorted(set(self.limits) | set(self.usage))]
+
+
+def _too_many(message: str, retry_after_s: int) -> ApiError:
+    return ApiError(
+        429,
+        message,
+        type="rate_limit_error",
+        code="tenant_over_limit",
+        headers={"Retry-After": str(retry_after_s)},
+    )

@@ -1,7 +1,8 @@
 """Tenants and their API keys (invariant I10).
 
 Keys come from a JSON file (`{"tenants": [{"name": "a", "keys": ["sk-..."]}]}`,
-each entry optionally with admission `"limits"`: see `serve/limits.py`)
+each entry optionally with admission `"limits"`: see `serve/limits.py`; an entry
+without them gets the server's default limits, `"limits": "unlimited"` none)
 or are generated for the embedded default. A presented key is compared in
 constant time against *every* key, always all of them, with no early exit, so
 the time taken says nothing about which key (or which prefix of a key)
@@ -76,7 +77,8 @@ class TenantRegistry:
 
     @classmethod
     def dev(cls) -> TenantRegistry:
-        return cls(tenants=(Tenant(DEV_TENANT, ()),), auth="none")
+        # One tenant has no neighbour to protect: the dev mode is unlimited.
+        return cls(tenants=(Tenant(DEV_TENANT, (), TenantLimits.unlimited()),), auth="none")
 
     @classmethod
     def generate(cls, names: tuple[str, ...] = ("tenant-a", "tenant-b")) -> TenantRegistry:
@@ -84,6 +86,12 @@ class TenantRegistry:
             tenants=tuple(Tenant(n, (f"sk-kvf-{secrets.token_hex(16)}",)) for n in names),
             operator_keys=(f"sk-kvf-op-{secrets.token_hex(16)}",),
         )
+
+    def without_default_limits(self) -> TenantRegistry:
+        """The operator's explicit choice: every bound left to the default becomes unbounded."""
+        unbounded = TenantLimits.unlimited()
+        tenants = tuple(replace(t, limits=t.limits.resolve(unbounded)) for t in self.tenants)
+        return replace(self, tenants=tenants)
 
     def with_operator_keys(self, keys: tuple[str, ...]) -> TenantRegistry:
         """The same tenants with these operator keys added (validated like any key)."""
@@ -119,7 +127,7 @@ class TenantRegistry:
                     "(and optionally 'limits')"
                 )
             try:
-                limits = TenantLimits.from_json(entry.get("limits", {}))
+                limits = TenantLimits.from_json(entry.get("limits", {}))  # absent: defaults
             except (TypeError, ValueError) as e:
                 raise TenantFileError(f"{path}: tenants[{i}]: {e}") from None
             tenants.append(Tenant(entry["name"], tuple(entry["keys"]), limits))
@@ -180,7 +188,7 @@ def _check_key(key: str, owner: str, seen: set[str]) -> None:
 
 def _entry(t: Tenant) -> dict[str, Any]:
     entry: dict[str, Any] = {"name": t.name, "keys": list(t.keys)}
-    if not t.limits.unlimited:
+    if not t.limits.is_default:
         entry["limits"] = t.limits.to_json()
     return entry
 

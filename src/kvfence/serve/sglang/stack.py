@@ -33,6 +33,16 @@ from kvfence.serve.supervisor import Supervisor, free_port, spawn
 ANNOUNCE = "KVFENCE_SGLANG_WORKER "  # worker.ANNOUNCE (kept torch-free here)
 
 
+# sglang-router (0.3.2) answers a decode worker's 429 (one tenant over its admission limits)
+# as a 500, counts it against both workers' circuit breakers and retries it (it retries 408,
+# 429 and 5xx): one tenant's flood of refusals opened every circuit, and every tenant got 503
+# "all circuits open" until the breaker's timeout. A refusal is a tenant's fault, not the
+# worker's, so the breaker never opens (u32::MAX failures, its documented way off) and a
+# request is tried once; a dead worker is still taken out by the router's health checks.
+# Given before `StackSpec.router_args`, which may override them (argparse: the last wins).
+ROUTER_FAILURE_ARGS = ("--cb-failure-threshold", str(2**32 - 1), "--retry-max-retries", "1")
+
+
 class StackError(RuntimeError):
     """A part of the stack did not come up; the message names it and quotes its log."""
 
@@ -145,6 +155,7 @@ class Stack:
         argv += ["--host", self.spec.host, "--port", str(port), "--policy", "round_robin"]
         # Its Prometheus exporter binds a fixed default port otherwise (0 is refused).
         argv += ["--prometheus-host", self.spec.host, "--prometheus-port", str(free_port())]
+        argv += ROUTER_FAILURE_ARGS
         return [*argv, *self.spec.router_args]
 
     def _spawn(
