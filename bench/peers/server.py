@@ -15,7 +15,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -200,8 +200,15 @@ def launch_server(
     ready_path: str,
     log_dir: Path,
     ready_timeout: float,
+    *,
+    wait: bool = True,
 ) -> PeerServer:
-    """Start `cmd` in its own session (dying with its starter), log to `log_dir`, wait for `ready_path`."""
+    """Start `cmd` in its own session (dying with its starter), log to `log_dir`, wait for `ready_path`.
+
+    `wait=False` returns at once; the caller then calls `wait_ready` itself (several peers
+    starting side by side). Start peers from a thread that outlives them: the death signal
+    (`_die_with_parent`) follows the starting thread, not the process.
+    """
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}-{port}-{time.strftime('%Y%m%dT%H%M%S')}.log"
     with log_path.open("wb") as log:
@@ -224,6 +231,8 @@ def launch_server(
         process=proc,
         ready_path=ready_path,
     )
+    if not wait:
+        return server
     try:
         server.ready_s = server.wait_ready(ready_timeout)
     except BaseException:
@@ -245,7 +254,10 @@ def start_vllm(
     dtype: str | None = None,
     omp_threads_bind: str | None = None,
     extra_args: Sequence[str] = (),
+    extra_env: Mapping[str, str] | None = None,
+    name: str = "vllm",
     ready_timeout: float = 300.0,
+    wait: bool = True,
     log_dir: Path | None = None,
     cache: PeerCache | None = None,
 ) -> PeerServer:
@@ -276,6 +288,7 @@ def start_vllm(
     }
     if omp_threads_bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind
+    env |= dict(extra_env or {})
     cmd = [
         str(cache.vllm_python),
         "-m",
@@ -301,7 +314,15 @@ def start_vllm(
         cmd += ["--dtype", dtype]
     cmd += list(extra_args)
     return launch_server(
-        "vllm", cmd, env, port, served, "/v1/models", log_dir or run / "logs", ready_timeout
+        name,
+        cmd,
+        env,
+        port,
+        served,
+        "/v1/models",
+        log_dir or run / "logs",
+        ready_timeout,
+        wait=wait,
     )
 
 
