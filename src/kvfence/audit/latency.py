@@ -102,20 +102,27 @@ class LatencyCheck(Check):
             first, p = earlier[0], earlier[0]["p_value"]
             shown = f"p = {p:.2g}" if isinstance(p, float) else "no p-value"
             summary = f"sweep {len(earlier) + 1} (sweep 1: {first['verdict']}, {shown}): {summary}"
-        planned = len(lengths) * repeats
-        if verdict is not Verdict.FAIL and len(sweep.errors) > cfg.max_error_fraction * planned:
-            verdict = Verdict.INCONCLUSIVE
-            first_error = sweep.errors[0].get("outcome")
-            summary = (
-                f"{len(sweep.errors)} of {planned} timing probes failed "
-                f"(first: {first_error}); {summary}"
-            )
+        verdict, summary = _failed_probes(verdict, summary, sweep, len(lengths) * repeats, cfg)
         plots = [result.plot] if result.plot is not None else []
         out = self.result(target, verdict, summary, evidence, plots)
         # Bonferroni-adjusted over the sweeps the design allows: comparable with the check's alpha.
         p = result.p_value
         out.p_value, out.alpha = (None if p is None else min(1.0, p * cfg.sweeps)), alpha
         return out
+
+
+def _failed_probes(
+    verdict: Verdict, summary: str, sweep: Sweep, planned: int, cfg: LatencyConfig
+) -> tuple[Verdict, str]:
+    """Too many failed probes leave no verdict but a FAIL standing; the summary then says how
+    many failed and what the engine said to the first."""
+    if verdict is Verdict.FAIL or len(sweep.errors) <= cfg.max_error_fraction * planned:
+        return verdict, summary
+    first = sweep.errors[0].get("outcome")
+    return (
+        Verdict.INCONCLUSIVE,
+        f"{len(sweep.errors)} of {planned} timing probes failed (first: {first}); {summary}",
+    )
 
 
 def _decisive_sweep(

@@ -25,7 +25,10 @@ level and inside ``meta_info``, ``out.meta_info``, ``usage``, ``metrics``,
 Benchmark result objects (vLLM ``bench serve --save-result`` and SGLang
 ``bench_serving --output-details`` JSON lines): the parallel arrays
 ``input_lens`` and ``ttfts`` (seconds), skipping entries whose ``errors``
-item is non-empty or whose TTFT is not positive.
+item is non-empty or whose TTFT is not positive. vLLM writes those arrays only
+with ``--save-detailed`` (SGLang only with ``--output-details``); a result
+without them (run-level ``mean_ttft_ms`` and such) holds no request to time,
+and the analysis says which flag the benchmark needs.
 """
 
 from __future__ import annotations
@@ -72,6 +75,14 @@ TTFT_MS_FIELDS = ("ttft_ms", "time_to_first_token_ms")
 E2E_S_FIELDS = ("e2e_latency",)
 E2E_MS_FIELDS = ("e2e_latency_ms",)
 NESTED = ("meta_info", "usage", "metrics", "timings", "stats")
+# A benchmark's run-level summary (averages only): its per-request arrays were left out.
+BENCH_SUMMARY_FIELDS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms")
+BENCH_SUMMARY = "benchmark summary without per-request timings"
+BENCH_ADVICE = (
+    "the log is a benchmark's run-level summary, with no per-request timings: rerun "
+    "`vllm bench serve --save-result` with --save-detailed (SGLang's bench_serving: "
+    "--output-details) so the result keeps input_lens and ttfts"
+)
 
 
 @dataclass(slots=True)
@@ -181,6 +192,9 @@ def parse_log_lines(lines: Iterable[str]) -> LogParse:
         if isinstance(obj.get("input_lens"), list) and isinstance(obj.get("ttfts"), list):
             _from_bench(obj, lineno, parse)
             continue
+        if any(k in obj for k in BENCH_SUMMARY_FIELDS):
+            parse.skipped[BENCH_SUMMARY] += 1
+            continue
         scopes = list(_scopes(obj))
         n = _prompt_tokens(scopes)
         timing = _timing(scopes)
@@ -214,6 +228,8 @@ def analyse_log(path: str | Path, config: LatencyConfig | None = None) -> Latenc
     else:
         chosen = parse.samples
     result = analyse(chosen, cfg)
+    if not parse.samples and parse.skipped[BENCH_SUMMARY]:
+        result.summary = f"{BENCH_ADVICE}; {result.summary}"
     result.evidence["log"] = {
         "path": str(path),
         "lines": parse.lines,
@@ -266,9 +282,11 @@ def latency_command(
     result = analyse_log(log_path, cfg)
     click.echo(f"prefill latency: {result.verdict.value}: {result.summary}")
     log = result.evidence.get("log", {})
+    skipped = log.get("skipped") if isinstance(log, dict) else None
+    why = ", ".join(f"{n} {k}" for k, n in skipped.items()) if isinstance(skipped, dict) else ""
     click.echo(
         f"  {log.get('samples_used')} of {log.get('samples_read')} timed requests used "
-        f"({log.get('lines')} lines; skipped: {log.get('skipped') or 'none'})"
+        f"({log.get('lines')} lines; skipped: {why or 'none'})"
     )
     if json_out:
         payload: dict[str, JSONValue] = {

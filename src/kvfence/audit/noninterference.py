@@ -79,16 +79,7 @@ class NoninterferenceCheck(Check):
         target.facts(client_a)
         facts = target.facts(client_b)
         lengths, how = probe_lengths(self.config, facts, ctx.context_override)
-        # The share of --alpha is split over len(lengths) + 1 tests; repeats grow until a
-        # probe that diverges on all but one repeat under load and never alone reaches it:
-        # a single load repeat that misses A's page turnover must not hide a leak (the lab
-        # came out 8/9 on a loaded machine, a pass, when one missed was the limit).
-        alpha = self.config.alpha or ctx.alpha_for(self.name)
-        repeats = fisher_repeats_for(
-            alpha / (len(lengths) + 1), self.config.repeats, misses=NONINTERFERENCE_MISSES
-        )
-        ids = within_vocabulary(self.config.token_range, facts.vocab_size)
-        cfg = replace(self.config, alpha=alpha, repeats=repeats, token_range=ids)
+        cfg = self._sized(ctx, facts, len(lengths))
         rng = random.Random(ctx.rng.random())
         lo, hi = cfg.token_range
         all_prompts = [[rng.randrange(lo, hi) for _ in range(n)] for n in lengths]
@@ -109,13 +100,26 @@ class NoninterferenceCheck(Check):
         result.evidence["probe_tokens"] = [len(p) for p in probes.prompts]
         result.evidence["probe_lengths_from"] = how
         result.evidence["dropped_probes"] = probes.dropped
-        result.evidence["token_ids"] = {
-            "range": list(ids),
-            "vocab_size": facts.vocab_size.to_json(),
-        }
-        result.alpha, p = alpha, result.evidence.get("p_value")
+        ids = {"range": list(cfg.token_range), "vocab_size": facts.vocab_size.to_json()}
+        result.evidence["token_ids"] = ids
+        result.alpha, p = cfg.alpha, result.evidence.get("p_value")
         result.p_value = p if isinstance(p, float) else None
         return result
+
+    def _sized(self, ctx: AuditContext, facts: TargetFacts, probes: int) -> NoninterferenceConfig:
+        """The config at the audit's alpha share, with the repeats that share needs, drawing
+        token ids inside the target's vocabulary.
+
+        The share of --alpha is split over probes + 1 tests; repeats grow until a probe that
+        diverges on all but one repeat under load and never alone reaches it: a single load
+        repeat that misses A's page turnover must not hide a leak (the lab came out 8/9 on a
+        loaded machine, a pass, when one missed was the limit)."""
+        alpha = self.config.alpha or ctx.alpha_for(self.name)
+        repeats = fisher_repeats_for(
+            alpha / (probes + 1), self.config.repeats, misses=NONINTERFERENCE_MISSES
+        )
+        ids = within_vocabulary(self.config.token_range, facts.vocab_size)
+        return replace(self.config, alpha=alpha, repeats=repeats, token_range=ids)
 
     def _verdict(
         self,

@@ -89,8 +89,7 @@ class PrefixSharingCheck(Check):
         dropped, _ = dropped_routes(facts)
         on = dropped is not None and self.config.salt != "off"
         routes = self.config.salt_routes if on else ()
-        cfg, scale = self._sized(ctx, len(runs) + len(routes))
-        cfg = replace(cfg, token_range=within_vocabulary(cfg.token_range, facts.vocab_size))
+        cfg, scale = self._sized(ctx, len(runs) + len(routes), facts)
         prefix_len, how = prefix_length(cfg, facts, ctx.context_override, scale)
         if prefix_len is None:
             return self.result(target, Verdict.INCONCLUSIVE, how, {"facts": facts.to_json()})
@@ -122,10 +121,14 @@ class PrefixSharingCheck(Check):
         out = self.result(target, worst(verdicts), "; ".join(summaries), evidence, plots)
         return _with_alpha(out, ran, cfg, len(runs) + len(routes))
 
-    def _sized(self, ctx: AuditContext, n_runs: int) -> tuple[PrefixSharingConfig, float]:
-        """The audit's share, split over the runs, in a design that can reach it; and the
-        factor the prefix grows by for that level (`alpha.evidence_scale`)."""
-        cfg = self.config
+    def _sized(
+        self, ctx: AuditContext, n_runs: int, facts: TargetFacts
+    ) -> tuple[PrefixSharingConfig, float]:
+        """The audit's share, split over the runs, in a design that can reach it, drawing token
+        ids inside the target's vocabulary; and the factor the prefix grows by for that level
+        (`alpha.evidence_scale`)."""
+        ids = within_vocabulary(self.config.token_range, facts.vocab_size)
+        cfg = replace(self.config, token_range=ids)
         if not self.own_alpha:  # an explicit design keeps its alpha
             share = ctx.alpha_for(self.name) / max(1, n_runs)
             cfg = replace(cfg, design=sequential_design_for(cfg.design, share))

@@ -10,6 +10,7 @@ from prometheus_client import start_http_server
 
 from kvfence.audit.base import Verdict, worst
 from kvfence.audit.targets.registry import ENGINE_CHOICES
+from kvfence.audit.tenant_keys import second_key_missing
 from kvfence.watch.guard import GuardConfig, Interval, Keys, TargetGuard
 from kvfence.watch.metrics import WatchMetrics
 
@@ -118,6 +119,8 @@ def watch(
         max_target_share,
     )
     metrics = WatchMetrics()
+    if (lacking := second_key_missing(key_a, key_b)) is not None:
+        raise click.UsageError(lacking)
     keys = Keys(key_a, key_b, operator_key)
     guards = [TargetGuard(url.rstrip("/"), engine, keys, config, metrics) for url in targets]
     if listen is not None:
