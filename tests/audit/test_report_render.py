@@ -36,13 +36,17 @@ from kvfence.audit.latency import analyse_log
 from kvfence.audit.prefix_sharing import PrefixSharingCheck, PrefixSharingConfig
 from kvfence.audit.runbook import AuditRun, TargetSummary, run_audit
 from kvfence.audit.stats import SequentialDesign
+from kvfence.audit.target_names import TargetSpec
 from kvfence.audit.targets.kvfence import KvfenceTarget
 
 # Under a loaded machine the servers, the audit and two browser runs take minutes.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 CHROMIUM = Path("/usr/bin/chromium")
-WINDOW = (1280, 3400)  # tall enough for the whole report: the last plot is near 2,900 px
+# Tall enough for the whole report: the last plot ends near 3,100 px (below the verdicts by
+# target and each target's failures).
+WINDOW = (1280, 3800)
+LAB_NAME, LOG_NAME = "incident lab (workers-ai-2026)", "request log"
 
 
 def chromium() -> Path:
@@ -105,7 +109,8 @@ def audit_run(
         key_a=KEY_A, key_b=KEY_B, operator_key=KEY_OP, seed=3, budget=Budget(max_requests=400)
     )
     with ctx.open():
-        run = run_audit([server.url], ctx, engine="kvfence", checks=("capacity", "boundary"))
+        lab = TargetSpec(LAB_NAME, server.url)
+        run = run_audit([lab], ctx, engine="kvfence", checks=("capacity", "boundary"))
         prefix = PrefixSharingConfig(
             salt="off",
             stop_on_cached_evidence=False,
@@ -115,7 +120,9 @@ def audit_run(
     log = tmp_path_factory.mktemp("latency-log") / "requests.jsonl"
     latency_log(log)
     analysis = analyse_log(log)
-    run.targets.append(TargetSummary(str(log), "request log", "kvfence audit latency --from-log"))
+    run.targets.append(
+        TargetSummary(str(log), "request log", "kvfence audit latency --from-log", name=LOG_NAME)
+    )
     run.results.append(
         CheckResult(
             check="latency",
@@ -221,6 +228,35 @@ def test_chromium_builds_every_plot_with_its_data_points(rendered: Rendered) -> 
     src = SvgCollector()
     src.feed(rendered.html)
     assert dict(src.plots) == plots
+
+
+class TargetNames(HTMLParser):
+    """The texts of the side-by-side table's target headers and of the section headings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.columns: list[str] = []
+        self.headings: list[str] = []
+        self.into: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "th" and "target-name" in (dict(attrs).get("class") or "").split():
+            self.into = self.columns
+        elif tag == "h2":
+            self.into = self.headings
+
+    def handle_data(self, data: str) -> None:
+        if self.into is not None:
+            self.into.append(data)
+            self.into = None
+
+
+def test_chromium_shows_every_target_by_name_side_by_side(rendered: Rendered) -> None:
+    """The names, not two loopback ports, head the verdict columns and the sections."""
+    dom = TargetNames()
+    dom.feed(rendered.dom)
+    assert dom.columns == [LAB_NAME, LOG_NAME]
+    assert dom.headings == [LAB_NAME, LOG_NAME]
 
 
 # -- what Chromium drew -------------------------------------------------------------
