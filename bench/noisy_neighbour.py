@@ -6,7 +6,8 @@ Seeded. For each mode (single process `kvfence serve`; the hub `kvfence serve
 server's default limits; `unlimited`: the same with `--unlimited-tenants`, the
 baseline that shows what the limits buy), it starts the server from the CLI,
 then measures the quiet tenant's ("tenant-b") p50 time to first token over
-`--victim-requests` short streamed prompts, one at a time: idle, and while
+`--victim-requests` short streamed prompts, one at a time: idle (half before
+the flood, half after), and while
 tenant-a floods with `--flood-clients` clients sending near-context prompts back
 to back (`--flood over-long`: prompts over the context, each refused with a 400).
 The flood ignores Retry-After (an attacker would) but pauses `--flood-pause-ms`
@@ -144,9 +145,9 @@ def ttft(client: httpx.Client, server: Server, tenant: str, prompt: str) -> floa
     raise RuntimeError(f"{tenant}'s stream ended without a token")
 
 
-def victim_p50(server: Server, rng: random.Random, n: int) -> float:
+def victim_ttfts(server: Server, rng: random.Random, n: int) -> list[float]:
     with httpx.Client(timeout=300) as client:
-        return statistics.median(ttft(client, server, VICTIM, words(rng, 6)) for _ in range(n))
+        return [ttft(client, server, VICTIM, words(rng, 6)) for _ in range(n)]
 
 
 @dataclass
@@ -237,13 +238,18 @@ def measure(mode: str, setting: str, plan: Plan) -> Result:
     with serve(mode, setting, plan.extra, plan.start_timeout_s) as server:
         flood_prompt = flooder_prompt(server, rng, plan)
         prompt_tokens(server, words(rng, 6))  # warm-up
-        idle = victim_p50(server, rng, plan.victim_requests)
+        # Idle before and after the flood, pooled: on a shared machine one idle phase alone
+        # moved with whatever else ran then.
+        idle = victim_ttfts(server, rng, plan.victim_requests // 2)
         flood = Flood(server, flood_prompt, plan.flood_clients, plan.flood_pause_s)
         with flood.running(plan.settle_s):
-            loaded = victim_p50(server, rng, plan.victim_requests)
+            loaded = victim_ttfts(server, rng, plan.victim_requests)
+        time.sleep(plan.settle_s)  # the flood's last requests drain
+        idle += victim_ttfts(server, rng, plan.victim_requests - plan.victim_requests // 2)
         load1 = os.getloadavg()[0]
     retry = tuple(sorted(flood.retry_after))
-    return Result(mode, setting, idle, loaded, dict(flood.statuses), retry, load1)
+    p50 = statistics.median
+    return Result(mode, setting, p50(idle), p50(loaded), dict(flood.statuses), retry, load1)
 
 
 def flooder_prompt(server: Server, rng: random.Random, plan: Plan) -> str:

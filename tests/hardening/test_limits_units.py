@@ -56,9 +56,11 @@ def test_concurrency_and_queued_tokens_are_limited_and_given_back_once() -> None
 
 def test_every_tenant_gets_default_limits_from_the_capacity_unless_lifted() -> None:
     defaults = default_limits(Pools(max_total_num_tokens=65_536, edge_limit=4096))
-    assert defaults == TenantLimits(max_concurrent=8, max_queued_tokens=4096)
-    assert default_limits(Pools(1 << 20, 4096)) == TenantLimits(64, 4096)  # a quarter of it
-    assert default_limits(Pools(336, 336)) == TenantLimits(8, 336)
+    assert defaults == TenantLimits(max_concurrent=8, max_queued_tokens=4096, refusal_burst=20)
+    assert default_limits(Pools(1 << 20, 4096)) == TenantLimits(
+        64, 4096, refusal_burst=20
+    )  # a quarter of it
+    assert default_limits(Pools(336, 336)) == TenantLimits(8, 336, refusal_burst=20)
     generated = TenantRegistry.generate(("a", "b")).limits()
     configured = {
         **generated,
@@ -73,14 +75,17 @@ def test_every_tenant_gets_default_limits_from_the_capacity_unless_lifted() -> N
             limits.acquire(tenant, 10)
         for s in slots:
             s.release()
-    assert limits.of("half") == TenantLimits(None, 4096)
+    assert limits.of("half") == TenantLimits(None, 4096, refusal_burst=20)
     assert limits.of("off").is_unlimited
     assert [limits.acquire("off", 10**5) for _ in range(20)]
     # The CLI's explicit choice: every bound left to the default is lifted, set ones stay.
     lifted = TenantRegistry(
         (Tenant("a", (KEY,)), Tenant("b", (KEY[:-1] + "0",), TenantLimits(max_concurrent=3)))
     ).without_default_limits()
-    assert lifted.limits() == {"a": TenantLimits.unlimited(), "b": TenantLimits(3, None)}
+    assert lifted.limits() == {
+        "a": TenantLimits.unlimited(),
+        "b": TenantLimits(3, None, refusal_burst=None),
+    }
     assert TenantRegistry.dev().limits()["default"].is_unlimited  # no neighbour to protect
 
 

@@ -35,14 +35,15 @@ from typing import Any, Final, Literal, NoReturn, Protocol
 
 from kvfence.serve.errors import ApiError
 
-BOUND_FIELDS: Final = ("max_concurrent", "max_queued_tokens")
-INT_FIELDS: Final = ("retry_after_s", "refusal_burst")
+BOUND_FIELDS: Final = ("max_concurrent", "max_queued_tokens", "refusal_burst")
+INT_FIELDS: Final = ("retry_after_s",)
 LIMIT_FIELDS: Final = (*BOUND_FIELDS, *INT_FIELDS, "refusals_per_s")
 UNLIMITED: Final = "unlimited"
 DEFAULT: Final = "default"
 # A tenant's default share of the prefill pool, and its least concurrency (`default_limits`).
 POOL_SHARE: Final = 4
 MIN_CONCURRENT: Final = 8
+REFUSAL_BURST: Final = 20  # the default refusal bucket, refilled at `refusals_per_s`
 # Refusals that cost the server work before they were refused: a prompt read and tokenized
 # (over the context or the pool), a body read up to its size limit or held open too long. A
 # field refused while parsing costs little and is not counted (a client's plain mistakes).
@@ -66,7 +67,7 @@ class TenantLimits:
     max_concurrent: Bound = DEFAULT
     max_queued_tokens: Bound = DEFAULT
     retry_after_s: int = 1
-    refusal_burst: int = 20  # costly refused requests absorbed at once
+    refusal_burst: Bound = DEFAULT  # costly refused requests absorbed at once (None: no bucket)
     refusals_per_s: float = 2.0  # and per second after that
 
     def __post_init__(self) -> None:
@@ -83,11 +84,11 @@ class TenantLimits:
 
     @classmethod
     def unlimited(cls) -> TenantLimits:
-        return cls(max_concurrent=None, max_queued_tokens=None)
+        return cls(max_concurrent=None, max_queued_tokens=None, refusal_burst=None)
 
     @property
     def is_unlimited(self) -> bool:
-        return self.max_concurrent is None and self.max_queued_tokens is None
+        return all(getattr(self, n) is None for n in BOUND_FIELDS)
 
     @property
     def is_default(self) -> bool:
@@ -139,7 +140,7 @@ def default_limits(capacity: PoolFacts) -> TenantLimits:
     """
     longest = max(1, capacity.edge_limit)
     share = capacity.max_total_num_tokens // POOL_SHARE
-    return TenantLimits(max(MIN_CONCURRENT, share // longest), max_queued_tokens=longest)
+    return TenantLimits(max(MIN_CONCURRENT, share // longest), longest, refusal_burst=REFUSAL_BURST)
 
 
 def _check_int(name: str, value: object) -> None:
@@ -192,7 +193,7 @@ class AdmissionLimits:
     usage: dict[str, Usage] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if DEFAULT in (self.defaults.max_concurrent, self.defaults.max_queued_tokens):
+        if any(getattr(self.defaults, n) == DEFAULT for n in BOUND_FIELDS):
             raise ValueError("AdmissionLimits.defaults must be numbers or None, not 'default'")
         self.limits = {t: lim.resolve(self.defaults) for t, lim in self.limits.items()}
 
@@ -250,23 +251,24 @@ class AdmissionLimits:
         self._draw(lim, self.usage.setdefault(tenant, Usage()))
 
     def _draw(self, lim: TenantLimits, use: Usage) -> None:
+        if not isinstance(lim.refusal_burst, int):
+            return  # no bucket
         self._refill(lim, use)
         use.refusal_tokens = max(0.0, use.refusal_tokens - 1.0)
 
     def _refill(self, lim: TenantLimits, use: Usage) -> None:
         now = self.clock()
+        burst = float(lim.refusal_burst) if isinstance(lim.refusal_burst, int) else math.inf
         if use.refusal_tokens < 0:
-            use.refusal_tokens = float(lim.refusal_burst)
+            use.refusal_tokens = burst
         else:
             elapsed = max(0.0, now - use.refusal_stamp)
-            use.refusal_tokens = min(
-                float(lim.refusal_burst), use.refusal_tokens + elapsed * lim.refusals_per_s
-            )
+            use.refusal_tokens = min(burst, use.refusal_tokens + elapsed * lim.refusals_per_s)
         use.refusal_stamp = now
 
     def _refusal_wait(self, lim: TenantLimits, use: Usage) -> int | None:
         """Whole seconds until the refusal bucket holds a token again; None when it does."""
-        if use.refusal_tokens < 0:
+        if use.refusal_tokens < 0 or not isinstance(lim.refusal_burst, int):
             return None
         self._refill(lim, use)
         if use.refusal_tokens >= 1.0:
