@@ -2,7 +2,7 @@
 
 Each switch disables exactly one defence and re-creates a published isolation
 bug, except `poisoned-sampling`, which injects one request's failure (sampling
-raises for a request seeded with `POISON_SEED`) so that the defence that
+raises for a request seeded with `POISON_SEED` + k from its token k on) so that the defence that
 contains it, per-request isolation inside a shared step, can be shown working
 or missing on a live server. All are off by default. The engine only ever *reads* a frozen `FaultSet`;
 switches are set solely through explicit lab configuration (``kvfence lab`` or
@@ -39,9 +39,19 @@ class Fault(enum.Enum):
             raise ValueError(f"unknown fault switch {name!r}; known switches: {known}") from None
 
 
-# The request `poisoned-sampling` fails: one whose seed is this ("kvfault" in ASCII), a
-# value no client picks by chance and every path (HTTP edge, wire messages) carries intact.
+# The requests `poisoned-sampling` fails: seeded with POISON_SEED + k (k < POISON_SPAN), the
+# draw of output token k and every later one raises, so k = 0 fails in prefill's step and
+# k >= 1 mid-stream, among other requests' decoding rows. "kvfault" in ASCII: a value no
+# client picks by chance, and every path (HTTP edge, wire messages) carries it intact.
 POISON_SEED = 0x6B766661756C74
+POISON_SPAN = 1024
+
+
+def poisoned_from(seed: int | None) -> int | None:
+    """The output token index from which `poisoned-sampling` fails this seed; None: never."""
+    if seed is None or not 0 <= seed - POISON_SEED < POISON_SPAN:
+        return None
+    return seed - POISON_SEED
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +97,8 @@ FAULT_INFO: dict[Fault, FaultInfo] = {
     Fault.POISONED_SAMPLING: FaultInfo(
         "one tenant's top_k (2**63) raised inside the sampler of a step shared with others, "
         "and every request in it failed with that tenant's error",
-        "none: it makes sampling raise for a request seeded with POISON_SEED, so that "
-        "per-request isolation in a shared step can be seen holding",
+        "none: sampling raises for a request seeded with POISON_SEED + k from its output "
+        "token k on, so that per-request isolation in a shared step can be seen holding",
     ),
 }
 

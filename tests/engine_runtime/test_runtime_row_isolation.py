@@ -28,7 +28,6 @@ from kvfence.engine.messages import (
     encode_message,
 )
 from kvfence.engine.pipeline import LocalPipeline, Result
-from kvfence.engine.sampling import Sampler
 from kvfence.faults import POISON_SEED, Fault, FaultSet
 from kvfence.model.loader import load_model
 from kvfence.model.tiny import make_tiny_checkpoint
@@ -46,8 +45,10 @@ def solo(models: Models, kind: str, room: str, max_tokens: int) -> list[int]:
     return r.token_ids
 
 
-def poisoned() -> SamplingParams:
-    return SamplingParams(max_tokens=6, temperature=1.0, seed=POISON_SEED, ignore_eos=True)
+def poisoned(from_token: int) -> SamplingParams:
+    """Under `poisoned-sampling`, the draw of output token `from_token` and later ones raise."""
+    seed = POISON_SEED + from_token
+    return SamplingParams(max_tokens=6, temperature=1.0, seed=seed, ignore_eos=True)
 
 
 def assert_alone(results: dict[str, Result], bad: str, own_words: str) -> None:
@@ -66,7 +67,7 @@ def test_a_request_whose_sampling_raises_fails_alone_in_its_prefill_step(
     pipe = models.pipeline(faults=FaultSet.of(Fault.POISONED_SAMPLING), mixed_batches=mixed)
     rooms = [*PROMPTS, POISONED]
     works = [work(r, r[0], PROMPTS[r], greedy(6)) for r in PROMPTS]
-    works.append(work(POISONED, "a", [20, 21, 22], poisoned()))
+    works.append(work(POISONED, "a", [20, 21, 22], poisoned(0)))
     sinks = dict(zip(rooms, submit(pipe, works), strict=True))
     pipe.pump()  # one iteration: every prompt is prefilled in this one step
     assert sinks[POISONED].events and all(s.events for s in sinks.values()), "not one step"
@@ -81,9 +82,8 @@ def test_a_request_whose_sampling_raises_fails_alone_in_its_prefill_step(
 
 def test_a_request_whose_sampling_raises_fails_alone_among_decoding_rows(models: Models) -> None:
     pipe = models.pipeline(faults=FaultSet.of(Fault.POISONED_SAMPLING))
-    pipe.prefill.sampler = Sampler()  # prefill draws its first token: it fails in decode
     works = [work(r, r[0], PROMPTS[r], greedy(6)) for r in PROMPTS]
-    works.append(work(POISONED, "a", [20, 21, 22], poisoned()))
+    works.append(work(POISONED, "a", [20, 21, 22], poisoned(1)))  # prefill draws token 0
     sinks = dict(zip([*PROMPTS, POISONED], submit(pipe, works), strict=True))
     pipe.drive()
     results = {r: s.wait(0) for r, s in sinks.items()}

@@ -173,10 +173,12 @@ class LocalPipeline:
             self._cond.notify_all()
 
     def health(self) -> str | None:
-        """None while the engine can serve; else why not (the engine broke, or its thread died)."""
+        """None while the engine can serve; else why not (broken, stopped, or its thread died)."""
         return self._broken or self._dead_thread()
 
     def _dead_thread(self) -> str | None:
+        if self._stopping:
+            return "the engine is stopped"
         thread = self._thread
         if thread is not None and not thread.is_alive():
             return "the engine thread is not running"

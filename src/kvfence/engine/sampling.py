@@ -23,7 +23,7 @@ import torch
 
 from kvfence.engine.messages import SamplingParams
 from kvfence.engine.row_errors import RowError, StepFailed, describe
-from kvfence.faults import POISON_SEED, Fault, FaultSet
+from kvfence.faults import Fault, FaultSet, poisoned_from
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +105,7 @@ class Sampler:
         """logits: [B, V] float32 (one row per entry of `rows`)."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sample rows")
-        if Fault.POISONED_SAMPLING in self.faults and any(
-            r.params.seed == POISON_SEED for r in rows
-        ):
+        if Fault.POISONED_SAMPLING in self.faults and any(_poisoned(r) for r in rows):
             raise RuntimeError("lab fault poisoned-sampling: this batch holds a poisoned request")
         logits = logits.float()
         tokens = logits.argmax(dim=-1)
@@ -164,6 +162,11 @@ class Sampler:
                 alts = tuple(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist(), strict=True))
             out[i] = chosen + alts
         return out
+
+
+def _poisoned(row: SampleRow) -> bool:
+    start = poisoned_from(row.params.seed)
+    return start is not None and row.index >= start
 
 
 def stop_reason(
