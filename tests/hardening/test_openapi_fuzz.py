@@ -7,11 +7,21 @@ names the field (`error.param`); never a 5xx. Negative data must be refused
 (schemathesis' `negative_data_rejection`): a schema that documented a field
 the server ignores, or accepted what it refuses, fails here. Afterwards no
 page is held and the ledger is consistent.
+
+Then schemathesis' own command line with `--checks all` (every check it has:
+undeclared methods answered 405 with `Allow`, a missing key a 401, ignored
+auth, schema-valid data accepted, ...) against the single-process server and
+against the hub (`kvfence serve --disaggregated --router kvfence`): 0 failures.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +42,7 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+from schemathesis_cli import checks_all
 
 # Generated requests per POST operation and generation mode with a valid key (a quarter of it
 # for each other credential); the CI default gives > 1,000 requests in all. GET operations
@@ -47,6 +58,9 @@ OPERATIONS = (
     ("GET", "/metrics"),
     ("GET", "/openapi.json"),
 )
+# Examples per operation and phase for the `--checks all` command-line runs (bounded for CI).
+CLI_EXAMPLES = max(10, PER_CASE // 2)
+HUB_START_S = 300.0
 CHECKS = [
     not_a_server_error,
     status_code_conformance,
@@ -158,3 +172,50 @@ def test_generated_requests_get_2xx_or_a_4xx_naming_the_field(server: Live) -> N
     assert not [s for s in tally.statuses if s.startswith("5")], tally.statuses
     assert not tally.problems, "\n".join(tally.problems[:30])
     assert server.settle() == baseline == {"prefill": 0, "decode": 0}
+
+
+def test_schemathesis_checks_all_single_process(server: Live, tmp_path: Path) -> None:
+    run = checks_all(server.url, server.key(), CLI_EXAMPLES, tmp_path)
+    print(run.summary)
+    assert run.returncode == 0, run.summary
+    assert server.settle() == {"prefill": 0, "decode": 0}
+
+
+@pytest.fixture(scope="module")
+def hub(hardening_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`kvfence serve --disaggregated --router kvfence` started; yields 'URL KEY'."""
+    argv = [sys.executable, "-m", "kvfence", "serve", "--disaggregated", "--router", "kvfence",
+            "--model", str(hardening_checkpoint), "--model-kind", "mirror", "--kv-pages", "512",
+            "--port", "0"]  # fmt: skip
+    env = {**os.environ, "TMPDIR": str(tmp_path_factory.mktemp("hub"))}
+    proc = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    end = time.monotonic() + HUB_START_S
+    while time.monotonic() < end and not (lines and lines[-1].startswith("try: curl")):
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+    text = "".join(lines)
+    url = m.group(1) if (m := re.search(r"at (http://\S+)", text)) else None
+    key = m.group(1) if (m := re.search(r"key (sk-kvf-\w+)", text)) else None
+    try:
+        assert url and key, f"the hub did not announce itself in {HUB_START_S:g} s:\n{text}"
+        yield f"{url} {key}"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
+def test_schemathesis_checks_all_hub(hub: str, tmp_path: Path) -> None:
+    url, key = hub.split()
+    run = checks_all(url, key, CLI_EXAMPLES, tmp_path)
+    print(run.summary)
+    assert run.returncode == 0, run.summary

@@ -7,10 +7,14 @@ vocabulary), so a field the server accepts is in the schema, and every
 other field is rejected by `additionalProperties: false` — exactly the
 server's 400 `unknown_parameter`. Known-but-unimplemented fields appear with
 their only accepted (neutral) value and are listed under
-`x-kvfence-rejected-fields`. Limits the schema cannot express (prompt tokens
-+ max_tokens <= max_req_input_len; exactly one of max_tokens or a matching
-max_completion_tokens) are stated in the descriptions and answered 400 with
-the field named.
+`x-kvfence-rejected-fields`. Rules between fields (`stream_options` only
+with `stream: true`, `top_logprobs` only with `logprobs: true`) are in the
+schema as `anyOf` alternatives. Limits it cannot express (a prompt's tokens
+<= the context; prompt tokens + max_tokens <= max_req_input_len; max_tokens
+and max_completion_tokens equal when both are sent) are stated in the
+descriptions and answered 400 naming the field, with the codes listed under
+the operation's `x-kvfence-beyond-schema` (`param:code`): a schema-valid
+request is refused with no other 400.
 """
 
 from __future__ import annotations
@@ -61,7 +65,14 @@ def _sampling(config: ServeConfig, capacity: Capacity) -> dict[str, Schema]:
         ),
         "temperature": nullable({"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE}),
         "top_p": nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
-        "top_k": nullable({"type": "integer", "minimum": -1, "description": "0 or -1: off"}),
+        "top_k": nullable(
+            {
+                "type": "integer",
+                "minimum": -1,
+                "maximum": protocol.MAX_TOP_K,
+                "description": "0 or -1: off",
+            }
+        ),
         "seed": nullable({"type": "integer", "minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1]}),
         "stop": nullable(
             {
@@ -97,12 +108,39 @@ def _neutral() -> dict[str, Schema]:
     }
 
 
-def _body(properties: dict[str, Schema], required: list[str], doc: str) -> Schema:
+# 400s a schema-valid request can get: the limits JSON Schema cannot express (`param:code`).
+BEYOND_SCHEMA = {
+    "completions": ["prompt:context_length_exceeded", "prompt:pool_capacity_exceeded",
+                    "max_tokens:context_length_exceeded", "max_tokens:pool_capacity_exceeded"],
+    "chat": ["messages:context_length_exceeded", "messages:pool_capacity_exceeded",
+             "max_tokens:context_length_exceeded", "max_tokens:pool_capacity_exceeded",
+             "max_completion_tokens:invalid_value"],
+}  # fmt: skip
+
+
+def _absent_or_null(name: str) -> Schema:
+    return {"properties": {name: {"type": "null"}}}
+
+
+def _only_with(name: str, flag: str) -> Schema:
+    """`name` (when not null) only together with `flag: true`."""
+    return {
+        "anyOf": [
+            _absent_or_null(name),
+            {"properties": {flag: {"const": True}}, "required": [flag]},
+        ]
+    }
+
+
+def _body(
+    properties: dict[str, Schema], required: list[str], doc: str, rules: list[Schema]
+) -> Schema:
     return {
         "type": "object",
         "properties": {**properties, **_neutral()},
         "required": required,
         "additionalProperties": False,
+        "allOf": rules,
         "description": doc,
         "x-kvfence-rejected-fields": sorted(NEUTRAL),
     }
@@ -143,7 +181,8 @@ def completion_request(config: ServeConfig, capacity: Capacity) -> Schema:
     logprobs = nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS})
     fields = {**common, "prompt": prompt, "logprobs": logprobs}
     assert set(fields) == protocol.COMPLETION_FIELDS, "schema and parser disagree on fields"
-    return _body(fields, ["prompt"], "POST /v1/completions")
+    rules = [_only_with("stream_options", "stream")]
+    return _body(fields, ["prompt"], "POST /v1/completions", rules)
 
 
 def chat_request(config: ServeConfig, capacity: Capacity) -> Schema:
@@ -157,7 +196,8 @@ def chat_request(config: ServeConfig, capacity: Capacity) -> Schema:
         "top_logprobs": {**top, "description": "only with logprobs: true"},
     }
     assert set(fields) == protocol.CHAT_FIELDS, "schema and parser disagree on fields"
-    return _body(fields, ["messages"], "POST /v1/chat/completions")
+    rules = [_only_with("stream_options", "stream"), _only_with("top_logprobs", "logprobs")]
+    return _body(fields, ["messages"], "POST /v1/chat/completions", rules)
 
 
 def _tokenize(config: ServeConfig) -> Schema:
@@ -239,6 +279,8 @@ def _ok(schema: Schema, media: str = JSON, stream: bool = False) -> dict[str, Sc
 
 def _op(op_id: str, responses: dict[str, Schema], body: Schema | None = None) -> Schema:
     op: Schema = {"operationId": op_id, "responses": responses}
+    if op_id in BEYOND_SCHEMA:
+        op["x-kvfence-beyond-schema"] = BEYOND_SCHEMA[op_id]
     if body is not None:
         op["requestBody"] = _json_body(body)
     return op
