@@ -46,7 +46,7 @@ CASES: list[tuple[str, Any, str | None, str, str]] = [
     ("completions", {"prompt": "x", "temperature": 2.5}, "temperature", "invalid_value", "[0, 2]"),
     ("completions", {"prompt": "x", "top_p": 0}, "top_p", "invalid_value", "(0, 1]"),
     ("completions", {"prompt": "x", "top_p": 1.5}, "top_p", "invalid_value", "(0, 1]"),
-    ("completions", {"prompt": "x", "top_k": -2}, "top_k", "invalid_value", ">= -1"),
+    ("completions", {"prompt": "x", "top_k": -2}, "top_k", "invalid_value", "must be [-1, "),
     ("completions", {"prompt": "x", "seed": -1}, "seed", "invalid_value", "seed"),
     ("completions", {"prompt": [5, 512]}, "prompt", "token_out_of_vocab", "[0, 512)"),
     ("completions", {"prompt": [-1]}, "prompt", "token_out_of_vocab", "[0, 512)"),
