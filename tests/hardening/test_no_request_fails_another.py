@@ -398,3 +398,35 @@ def test_every_numeric_field_across_its_json_range_is_served_or_named(
     assert set(seen) & {200} and set(seen) & {400}, seen  # the draw reached both outcomes
     assert_still_serving(server, expected)
     assert_no_page_held(server)
+
+
+# ---- the hub's /health follows its workers ---------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_hubs_health_is_false_while_a_role_has_no_live_worker(
+    hardening_checkpoint: Path,
+) -> None:
+    """A decode worker frozen past the liveness window: /health 503 naming decode; back to
+    200 once it reports again (the real router role's PDBackend, real worker processes)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pd"))
+    from pd_helpers import cluster
+
+    with cluster(hardening_checkpoint) as c:
+        assert httpx.get(f"{c.url}/health", timeout=30).status_code == 200
+        liveness = c.backend.timeouts.liveness_s
+        c.signal("decode-0", signal.SIGSTOP)
+        try:
+            end = time.monotonic() + liveness + 30
+            health = httpx.get(f"{c.url}/health", timeout=30)
+            while health.status_code == 200 and time.monotonic() < end:
+                time.sleep(0.2)
+                health = httpx.get(f"{c.url}/health", timeout=30)
+            assert health.status_code == 503, f"/health still 200 {liveness + 30:.0f} s on"
+            assert "decode" in health.json()["error"]["message"], health.text
+        finally:
+            c.signal("decode-0", signal.SIGCONT)
+        end = time.monotonic() + 60
+        while httpx.get(f"{c.url}/health", timeout=30).status_code != 200:
+            assert time.monotonic() < end, "/health not back to 200 within 60 s of SIGCONT"
+            time.sleep(0.2)
