@@ -87,8 +87,9 @@ def test_sigkilled_supervisor_leaves_no_child(
     proc = _start(router, guarded, pd_checkpoint, tmp_path / "serve.log")
     kids = _descendants(proc.pid)
     try:
-        # sglang-router and two workers; or the hub, the worker group and its two workers
-        assert len(kids) == (3 if router is None else 4), kids
+        # sglang-router, kvfence's edge in front of it and two workers; or the hub, the worker
+        # group and its two workers
+        assert len(kids) == 4, kids
         # sglang-router renames its process `sglang::router` once it runs
         routers = [
             p

@@ -33,6 +33,11 @@ class Fleet:
     def url(self) -> str:
         return self.stack.url
 
+    @property
+    def operator_url(self) -> str:
+        """The router's own listener (loopback): where the operator audits the fleet."""
+        return self.stack.admin_url
+
     def worker(self, role: str) -> Any:
         return next(w for w in self.stack.workers if w.role == role)
 
@@ -49,7 +54,15 @@ def fleet(
     faults: FaultSet | None = None,
     transport: str = "tcp",
     prefix_cache: bool = False,
+    edge: bool = True,
+    keyed_control_plane: bool = True,  # False where `kvfence audit` reads the fleet (below)
 ) -> Iterator[Fleet]:
+    """The stack; `operator_url` is its router's own loopback listener.
+
+    `kvfence audit` reads the router's `/workers` with the tenant key (it sends the operator
+    key only on the operator-data paths), so a fleet it audits there starts with that
+    listener's control plane keyless (`keyed_control_plane=False`).
+    """
     faults = faults or FaultSet()
     tenants = TenantRegistry.generate(("tenant-a", "tenant-b")).with_operator_keys((OPERATOR_KEY,))
     tenants_file = tmp / "tenants.json"
@@ -66,7 +79,8 @@ def fleet(
         args.append("--allow-undersized-pool")  # the honest mode: the edge rejects over-pool
     for f in faults.names():
         args += ["--lab-fault", f]
-    with Stack(StackSpec(tuple(args), tenants_file), workdir=tmp) as stack:
+    spec = StackSpec(tuple(args), tenants_file, edge=edge, keyed_control_plane=keyed_control_plane)
+    with Stack(spec, workdir=tmp) as stack:
         keys = {t.name: t.keys[0] for t in tenants.tenants}
         yield Fleet(stack, keys, Tokenizer.from_dir(checkpoint), checkpoint.name)
 

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def stack(sgl_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    with fleet(sgl_checkpoint, tmp_path_factory.mktemp("secrets")) as f:
+    with fleet(sgl_checkpoint, tmp_path_factory.mktemp("secrets"), keyed_control_plane=False) as f:
         yield f
 
 
@@ -47,7 +47,7 @@ def _audit(
     args = [
         "audit",
         "--target",
-        f.url,
+        f.operator_url,
         "--key-a",
         f.keys["tenant-a"],
         "--key-b",

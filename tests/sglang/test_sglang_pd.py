@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def hardened(sgl_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    with fleet(sgl_checkpoint, tmp_path_factory.mktemp("hardened")) as f:
+    with fleet(sgl_checkpoint, tmp_path_factory.mktemp("hardened"), keyed_control_plane=False) as f:
         yield f
 
 
@@ -84,7 +84,7 @@ def test_hardened_stack_turns_the_incident_into_a_clean_error(hardened: Fleet) -
 def test_audit_through_the_router_matches_kvfences_own_edge(
     hardened: Fleet, sgl_checkpoint: Path, tmp_path: Path
 ) -> None:
-    routed = audit_verdicts(hardened.url, hardened.keys, OPERATOR_KEY, tmp_path / "r.json")
+    routed = audit_verdicts(hardened.operator_url, hardened.keys, OPERATOR_KEY, tmp_path / "r.json")
     edge = edge_verdicts(sgl_checkpoint, FaultSet(), tmp_path / "e.json")
     assert routed == edge, (routed, edge)
     assert routed["canary"] == routed["boundary"] == "pass"
@@ -109,7 +109,7 @@ def test_bootstrap_fields_and_rid_from_a_tenant_are_refused(hardened: Fleet) -> 
         forged = url + "/r/" + "0" * 32  # a guessed credential is no credential
         r = httpx.post(f"{forged}/v1/completions", headers=key, json=base)
         assert r.status_code == 404
-    # Through the router: the router forwards a client's rid; the workers refuse it (I9).
+    # Through the stack's public address: the edge refuses a client's rid (I9).
     r = httpx.post(f"{hardened.url}/v1/completions", headers=key, json={**base, "rid": "x"})
     assert r.status_code == 400 and "rid" in r.text
 
@@ -161,9 +161,9 @@ def test_incident_profile_leaks_through_the_real_router(
 ) -> None:
     """The proof the checks above can fail: the Workers AI faults re-create the leak here."""
     faults = FaultSet.of(*INCIDENT_FAULTS)
-    with fleet(sgl_checkpoint, tmp_path, faults) as f:
+    with fleet(sgl_checkpoint, tmp_path, faults, keyed_control_plane=False) as f:
         inc = incident(f)
-        routed = audit_verdicts(f.url, f.keys, OPERATOR_KEY, tmp_path / "r.json")
+        routed = audit_verdicts(f.operator_url, f.keys, OPERATOR_KEY, tmp_path / "r.json")
     # `kvfence audit` at the router sees what it sees at kvfence's own edge: the leak is red.
     edge = edge_verdicts(sgl_checkpoint, faults, tmp_path / "e.json")
     # Canary too: through this router its prompts are text; its `pool + 1` probe is counted on
@@ -208,9 +208,9 @@ def test_prefix_sharing_through_the_text_only_router_is_decided(
 ) -> None:
     """The router refuses token ids (422): the check falls back to text and still decides."""
     faults = FaultSet.of(Fault.SHARED_PREFIX_CACHE) if shared else FaultSet()
-    with fleet(sgl_checkpoint, tmp_path, faults, prefix_cache=True) as f:
+    with fleet(sgl_checkpoint, tmp_path, faults, prefix_cache=True, keyed_control_plane=False) as f:
         out = tmp_path / "r.json"
-        routed = audit_verdicts(f.url, f.keys, OPERATOR_KEY, out, checks="prefix_sharing")
+        routed = audit_verdicts(f.operator_url, f.keys, OPERATOR_KEY, out, checks="prefix_sharing")
     rep = json.loads(out.read_text())
     ev = next(r for r in rep["results"] if r["check"] == "prefix_sharing")["evidence"]
     assert ev["prompts"].startswith("random words"), ev["prompts"]

@@ -26,7 +26,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def cached(sgl_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    with fleet(sgl_checkpoint, tmp_path_factory.mktemp("salt"), prefix_cache=True) as f:
+    with fleet(
+        sgl_checkpoint,
+        tmp_path_factory.mktemp("salt"),
+        prefix_cache=True,
+        keyed_control_plane=False,
+    ) as f:
         yield f
 
 
@@ -39,7 +44,7 @@ def _audit(f: Fleet, out: Path) -> dict[str, Any]:
     args = [
         "audit",
         "--target",
-        f.url,
+        f.operator_url,
         "--key-a",
         f.keys["tenant-a"],
         "--key-b",
@@ -79,7 +84,7 @@ def test_an_audit_that_salts_completions_only_does_not_false_alarm(cached: Fleet
         budget=Budget(max_requests=2000, max_seconds=300),
     )
     with ctx.open():
-        target = SglangRouterTarget(cached.url)
+        target = SglangRouterTarget(cached.operator_url)
         result = run_check(PrefixSharingCheck(cfg), ctx, target)
     assert result.verdict is Verdict.PASS, result.summary
     routes = result.evidence["salt_within_tenant"]

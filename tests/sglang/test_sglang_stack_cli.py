@@ -64,7 +64,7 @@ def test_one_command_serves_and_stops_whole_when_a_worker_dies(
             "/v1/chat/completions": (True, True),  # sglang-router 0.3.2 drops the salt here
         }
         kids = _children(proc.pid)
-        assert len(kids) == 3  # the router and two workers, all children of the one command
+        assert len(kids) == 4  # the router, its edge and two workers: children of the command
         decode = next(p for p in kids if "--role decode" in _cmdline(p))
         os.kill(decode, signal.SIGKILL)
         assert proc.wait(30) != 0

@@ -72,8 +72,12 @@ def routed_server(
         tenants_file = Path(tmp) / "tenants.json"
         tenants_file.touch(mode=0o600)
         tenants_file.write_text(tenants.to_json())
+        # The lab's audit reads the router's /workers with a tenant key: keyless control plane
+        # on the router's loopback listener (StackSpec.keyed_control_plane).
         spec = StackSpec(
-            worker_args(checkpoint, faults, model_kind, scale, transport), tenants_file
+            worker_args(checkpoint, faults, model_kind, scale, transport),
+            tenants_file,
+            keyed_control_plane=False,
         )
         with Stack(spec, workdir=Path(tmp)) as stack:
             decode = next(w for w in stack.workers if w.role == "decode")
@@ -84,7 +88,10 @@ def routed_server(
                 return dict(r.json())
 
             tokenizer = Tokenizer.from_dir(checkpoint)
-            yield LabServer(stack.url, checkpoint.name, keys, tokenizer, info, text_prompts=True)
+            # The lab measures the router and its workers as they stand, so it talks to the
+            # router's own listener (loopback, the operator's address), not the tenants' edge.
+            url = stack.admin_url
+            yield LabServer(url, checkpoint.name, keys, tokenizer, info, text_prompts=True)
 
 
 def server_for(topology: str, transport: str = "mooncake") -> ServerFactory:

@@ -113,6 +113,7 @@ def _run(stack: Any, tenants: TenantRegistry) -> int:
 
 def _announce(stack: Any, tenants: TenantRegistry) -> None:
     click.echo(f"sglang-router (PD mode) at {stack.url}  (OpenAI base URL: {stack.url}/v1)")
+    click.echo(f"  its admin API (workers, loads): {stack.admin_url} only, with the operator key")
     for w in stack.workers:
         click.echo(
             f"  {w.name}: {w.url}"
@@ -122,6 +123,8 @@ def _announce(stack: Any, tenants: TenantRegistry) -> None:
         click.echo(f"tenant {t.name}: key {t.keys[0]}")
     if tenants.operator_keys:
         click.echo(f"operator key: {tenants.operator_keys[0]}")
+    if not set(stack.admin_keys) & set(tenants.operator_keys):
+        click.echo(f"router admin key: {stack.admin_keys[0]}")
     click.echo(f"logs: {stack.workdir}")
     sys.stdout.flush()
 

@@ -1,5 +1,11 @@
 """The real PD stack on loopback: sglang-router in PD mode in front of kvfence workers.
 
+Tenants reach the stack at kvfence's edge (edge.py) on the public host and port; the
+router listens on a private loopback port only, because it serves its control plane
+(worker listing, registration, removal) on the port it serves inference on. Its control
+plane there also requires the operator key (`--control-plane-api-keys`, admin role):
+`Stack.admin_url` with `Authorization: Bearer <Stack.admin_key>`.
+
 Workers start (each binds port 0 and announces its URL and bootstrap port on
 stdout, `worker.ANNOUNCE`); sglang-router is started beside them (`router_main`:
 sglang-router's own arguments and Rust router, loaded while the workers load
@@ -26,11 +32,16 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from kvfence.serve.admission import BODY_FLOOR
+from kvfence.serve.sglang.edge_main import ANNOUNCE as EDGE_ANNOUNCE
+from kvfence.serve.sglang.edge_main import EdgeArgs
 from kvfence.serve.sglang.gate import router_url
 from kvfence.serve.sglang.router_main import ARGS_ON_STDIN
 from kvfence.serve.supervisor import Supervisor, free_port, spawn
+from kvfence.serve.tenants import TenantRegistry
 
 ANNOUNCE = "KVFENCE_SGLANG_WORKER "  # worker.ANNOUNCE (kept torch-free here)
+PRIVATE_HOST = "127.0.0.1"  # the router's own listener: reached by the edge and the operator
 
 
 # sglang-router (0.3.2) answers a decode worker's 429 (one tenant over its admission limits)
@@ -54,10 +65,17 @@ class StackSpec:
     n_prefill: int = 1
     n_decode: int = 1
     host: str = "127.0.0.1"
-    port: int = 0  # the router's public port; 0 = a free one
+    port: int = 0  # the public (edge's) port; 0 = a free one
     router_args: tuple[str, ...] = ()
     startup_timeout_s: float = 180.0
     worker_env: tuple[tuple[str, str], ...] = ()  # extra environment for the workers (lab hooks)
+    # False: the router itself on the public address with its control plane open, as
+    # sglang-router ships; only to measure the edge and to show what it prevents (tests).
+    edge: bool = True
+    # False: the router's loopback control plane takes no key. For an audit that reads
+    # `/workers` there with a tenant key (the audit sends its operator key only on the
+    # operator-data paths); the tenants' address is the edge either way.
+    keyed_control_plane: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +95,9 @@ class Stack:
     supervisor: Supervisor = field(default_factory=lambda: Supervisor(children=()))
     workers: list[Worker] = field(default_factory=list)
     secret: str = field(default_factory=lambda: secrets.token_hex(16))
-    url: str = ""
+    url: str = ""  # the tenants' address (the edge's)
+    admin_url: str = ""  # the router's own listener (loopback): its control plane is here
+    admin_keys: tuple[str, ...] = ()  # the operator keys its control plane takes (edge only)
 
     def __enter__(self) -> Stack:
         try:
@@ -102,12 +122,24 @@ class Stack:
             self._spawn(name, self._worker_argv(role, secret_file), dict(self.spec.worker_env))
         router = [sys.executable, "-m", "kvfence.serve.sglang.router_main", ARGS_ON_STDIN]
         self._spawn("sglang-router", router, stdin=subprocess.PIPE)
+        if self.spec.edge:
+            edge = [sys.executable, "-m", "kvfence.serve.sglang.edge_main", ARGS_ON_STDIN]
+            self._spawn("edge", edge, stdin=subprocess.PIPE)
         deadline = time.monotonic() + self.spec.startup_timeout_s
         self.workers = [self._announced(n, r, deadline) for n, r in zip(names, roles, strict=True)]
-        port = self.spec.port or free_port(self.spec.host)
-        self._hand_router(self._router_args(port))
-        self.url = f"http://{self.spec.host}:{port}"
+        if not self.spec.edge:
+            port = self.spec.port or free_port(self.spec.host)
+            self._hand("sglang-router", json.dumps(self._router_args(self.spec.host, port)))
+            self.url = self.admin_url = f"http://{self.spec.host}:{port}"
+            self._wait_registered(deadline)
+            return
+        self.admin_keys = self._operator_keys() if self.spec.keyed_control_plane else ()
+        port = free_port(PRIVATE_HOST)
+        self._hand("sglang-router", json.dumps(self._router_args(PRIVATE_HOST, port)))
+        self.admin_url = f"http://{PRIVATE_HOST}:{port}"
         self._wait_registered(deadline)
+        self._hand("edge", self._edge_args(secret_file).to_json())
+        self.url = self._edge_announced(deadline)
 
     def router_url_of(self, worker: Worker) -> str:
         return router_url(worker.url, self.secret)
@@ -145,17 +177,56 @@ class Stack:
             "0",
         ]
 
-    def _router_args(self, port: int) -> list[str]:
+    def _operator_keys(self) -> tuple[str, ...]:
+        """The tenants file's operator keys, else a fresh one: one operator credential."""
+        keys = TenantRegistry.from_file(self.spec.tenants_file).operator_keys
+        # The router's key list is `id:name:role:key`: a key with a colon cannot be one.
+        usable = tuple(k for k in keys if ":" not in k)
+        return usable or ("sk-operator-" + secrets.token_hex(16),)
+
+    def _edge_args(self, secret_file: Path) -> EdgeArgs:
+        import httpx
+
+        decode = next(w for w in self.workers if w.role == "decode")
+        facts = httpx.get(f"{self.router_url_of(decode)}/server_info", timeout=30).json()
+        return EdgeArgs(
+            host=self.spec.host,
+            port=self.spec.port,
+            router=self.admin_url,
+            workers=tuple(w.url for w in self.workers),
+            side=decode.url,
+            tenants_file=str(self.spec.tenants_file),
+            secret_file=str(secret_file),
+            # a worker's own body limit (Admission.body_limit): the edge refuses no body it takes
+            body_limit=BODY_FLOOR + 32 * int(facts["context_length"]),
+        )
+
+    def _edge_announced(self, deadline: float) -> str:
+        while time.monotonic() < deadline:
+            for line in self.log("edge").splitlines():
+                if line.startswith(EDGE_ANNOUNCE):
+                    return str(json.loads(line[len(EDGE_ANNOUNCE) :])["url"])
+            self._check_alive("edge")
+            time.sleep(0.02)
+        raise StackError(f"the edge did not start in time:\n{self.log('edge')[-3000:]}")
+
+    def _router_args(self, host: str, port: int) -> list[str]:
         argv = ["--pd-disaggregation"]
         for w in self.workers:
             if w.role == "prefill":
                 argv += ["--prefill", self.router_url_of(w), str(w.bootstrap_port)]
             else:
                 argv += ["--decode", self.router_url_of(w)]
-        argv += ["--host", self.spec.host, "--port", str(port), "--policy", "round_robin"]
+        argv += ["--host", host, "--port", str(port), "--policy", "round_robin"]
         # Its Prometheus exporter binds a fixed default port otherwise (0 is refused).
-        argv += ["--prometheus-host", self.spec.host, "--prometheus-port", str(free_port())]
+        argv += ["--prometheus-host", host, "--prometheus-port", str(free_port())]
         argv += ROUTER_FAILURE_ARGS
+        if self.admin_keys:
+            # The control plane (every admin route, probed on 0.3.2) then needs one of these.
+            argv.append("--control-plane-api-keys")
+            argv += [
+                f"operator-{i}:kvfence-operator:admin:{k}" for i, k in enumerate(self.admin_keys)
+            ]
         return [*argv, *self.spec.router_args]
 
     def _spawn(
@@ -170,16 +241,16 @@ class Stack:
             proc = spawn(argv, env=full_env, stdin=stdin, stdout=out, stderr=subprocess.STDOUT)
         self.supervisor.procs[name] = proc  # it ends with us (spawn)
 
-    def _hand_router(self, args: list[str]) -> None:
-        """The router's arguments, on the stdin it waits on (router_main.ARGS_ON_STDIN)."""
-        proc = self.supervisor.procs["sglang-router"]
+    def _hand(self, name: str, line: str) -> None:
+        """A child's arguments, on the stdin it waits on (`ARGS_ON_STDIN`)."""
+        proc = self.supervisor.procs[name]
         assert proc.stdin is not None
         try:
-            proc.stdin.write((json.dumps(args) + "\n").encode())
+            proc.stdin.write((line + "\n").encode())
             proc.stdin.close()
         except BrokenPipeError:
-            self._check_alive("sglang-router")  # it ended: say how, with its log
-            raise StackError("sglang-router closed its stdin before taking its arguments") from None
+            self._check_alive(name)  # it ended: say how, with its log
+            raise StackError(f"{name} closed its stdin before taking its arguments") from None
 
     def _announced(self, name: str, role: str, deadline: float) -> Worker:
         while time.monotonic() < deadline:
@@ -197,7 +268,9 @@ class Stack:
         while time.monotonic() < deadline:
             self._check_alive("sglang-router")
             try:
-                listed = httpx.get(f"{self.url}/workers", timeout=2).json().get("workers", [])
+                auth = {"Authorization": f"Bearer {self.admin_keys[0]}"} if self.admin_keys else {}
+                r = httpx.get(f"{self.admin_url}/workers", headers=auth, timeout=2)
+                listed = r.json().get("workers", [])
                 healthy = [w for w in listed if w.get("is_healthy")]
                 if len(healthy) == len(self.workers):
                     return

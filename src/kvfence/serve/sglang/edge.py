@@ -1,0 +1,293 @@
+"""The tenants' address of the sglang-router stack: tenant routes only, authenticated here.
+
+sglang-router 0.3.2 serves its control plane on the listener it serves inference on:
+`/workers` (list, add, update, remove), `/get_loads`, `/flush_cache`, `/v1/tokenizers`,
+`/parse/*`, `/wasm` (probed live; with `--control-plane-api-keys` set they need an admin
+key, and without it they are open to anyone who can reach the port). Worker URLs carry the
+router credential (gate.py), so listing them hands it out, and a registered worker receives
+tenants' keys and prompts. So the stack binds the router on a private loopback port and puts
+this edge on the public address. Invariants:
+
+- Only the routes in `EdgeRoutes` answer here; any other path is a 404 and a known path with
+  another method a 405 naming the allowed ones in `Allow`. Nothing reaches the router's
+  control plane from here, whatever its own options.
+- The tenant key is checked here (401) before anything is forwarded: the router answers a
+  worker's 401 with a 500.
+- A generation body goes through kvfence's strict parser here, on the client's own JSON,
+  because the router re-serialises it through its own types before a worker sees it: a
+  field the router drops (`rid`) or a number it narrows (a temperature of 1e308 becomes f32
+  infinity, then null) would otherwise reach the worker as a different, valid request. The
+  bytes forwarded are the client's, unchanged.
+- Answers stream through as they arrive (no buffering). An event stream always ends with
+  `data: [DONE]`: one the router ends without it (a worker died mid-stream: the router just
+  closes) gets an error event first, as kvfence's own routers send.
+- No answer carries the router credential: a body that contains it is withheld and replaced
+  by an error.
+
+The routes the router does not serve (`/tokenize`, `/detokenize`, `/openapi.json`,
+`/v1/models`, `/server_info`, `/metrics`) are a kvfence worker's own, answered by the first
+decode worker at its own URL, which authenticates them as a single server does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import anyio
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvfence.serve import protocol
+from kvfence.serve.body import read_body
+from kvfence.serve.errors import INTERNAL_ERROR, ApiError
+from kvfence.serve.fields import load_json
+from kvfence.serve.responses import DONE, sse
+from kvfence.serve.sglang.fields import split_router_fields
+from kvfence.serve.sglang.generate import completion_body
+from kvfence.serve.tenants import TenantRegistry
+
+DONE_BYTES = DONE.strip().encode()  # b"data: [DONE]"
+# Response headers that describe the router's connection, not the answer.
+HOP_HEADERS = frozenset(
+    {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server"}
+)
+STREAM_CUT = ApiError(
+    502,
+    "the stream was cut before it finished (a worker behind the router stopped); the output "
+    "above is incomplete",
+    type="server_error",
+    code="stream_cut",
+)
+WITHHELD = ApiError(
+    502,
+    "the router's answer named an internal address and was withheld",
+    type="server_error",
+    code="upstream_withheld",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeSpec:
+    """Where the edge forwards, and the bounds it reads bodies within."""
+
+    router: str  # the router's private URL (loopback)
+    workers: tuple[str, ...]  # every worker's own URL; the first decode worker's is `side`
+    side: str  # the worker that answers the routes the router does not serve
+    secret: str  # the router credential: no answer may carry it
+    body_limit: int  # bytes (413 above), as a worker's own limit
+    body_timeout_s: float = 60.0
+
+
+_JSON_FIELD = re.compile(r'"(\w+)":("(?:[^"\\]|\\.)*"|null)')
+Route = Literal["completion", "chat", "generate"]
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeRoute:
+    methods: tuple[str, ...]
+    handler: Handler
+
+
+class Edge:
+    """Pure ASGI: dispatch on the exact path, nothing else reaches the router."""
+
+    def __init__(self, spec: EdgeSpec, tenants: TenantRegistry) -> None:
+        self.spec = spec
+        self.tenants = tenants
+        self.secret = spec.secret.encode()
+        self._client: httpx.AsyncClient | None = None
+        self.routes: dict[str, EdgeRoute] = {
+            "/v1/completions": EdgeRoute(("POST",), self._generation("completion")),
+            "/v1/chat/completions": EdgeRoute(("POST",), self._generation("chat")),
+            "/generate": EdgeRoute(("POST",), self._generation("generate")),
+            "/health": EdgeRoute(("GET",), self._health),
+            **{
+                path: EdgeRoute((method,), self._side)
+                for path, method in (
+                    ("/v1/models", "GET"),
+                    ("/tokenize", "POST"),
+                    ("/detokenize", "POST"),
+                    ("/openapi.json", "GET"),
+                    ("/server_info", "GET"),
+                    ("/get_server_info", "GET"),
+                    ("/metrics", "GET"),
+                )
+            },
+        }
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        # Made on first use: an AsyncClient belongs to the event loop it first runs on.
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(30.0, read=None),  # a generation may think for long
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                trust_env=False,
+            )
+        return self._client
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # no websockets, and lifespan is off
+        request = Request(scope, receive)
+        route = self.routes.get(scope["path"])
+        try:
+            if route is None:
+                raise ApiError(404, f"no route {scope['path']}", code="not_found")
+            if scope["method"] not in route.methods:
+                allow = ", ".join(route.methods)
+                raise ApiError(
+                    405,
+                    f"{scope['method']} is not allowed on {scope['path']} (allowed: {allow})",
+                    code="method_not_allowed",
+                    headers={"Allow": allow},
+                )
+            response = await route.handler(request)
+        except ApiError as e:
+            response = _error(e)
+        except Exception:
+            response = _error(INTERNAL_ERROR)
+        await response(scope, receive, send)
+
+    # ---- routes ----------------------------------------------------------------------
+
+    def _generation(self, kind: Route) -> Handler:
+        async def handle(request: Request) -> Response:
+            headers = {**self._tenant(request), "content-type": "application/json"}
+            body = await read_body(request, self.spec.body_limit, self.spec.body_timeout_s)
+            check(kind, load_json(body))
+            upstream = self.client.build_request(
+                "POST", self.spec.router + request.url.path, headers=headers, content=body
+            )
+            return await self._forward(upstream)
+
+        return handle
+
+    async def _side(self, request: Request) -> Response:
+        headers = {k: v for k, v in request.headers.items() if k == "authorization"}
+        body = b""
+        if request.method == "POST":
+            body = await read_body(request, self.spec.body_limit, self.spec.body_timeout_s)
+            headers["content-type"] = "application/json"
+        upstream = self.client.build_request(
+            request.method, self.spec.side + request.url.path, headers=headers, content=body
+        )
+        return await self._forward(upstream)
+
+    async def _health(self, _request: Request) -> Response:
+        """200 only while the router and every worker answer their own /health with 200."""
+        urls = [f"{self.spec.router}/health", *(f"{w}/health" for w in self.spec.workers)]
+
+        async def ok(url: str) -> bool:
+            try:
+                return (await self.client.get(url, timeout=10)).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        if all(await asyncio.gather(*(ok(u) for u in urls))):
+            return Response(status_code=200)
+        raise ApiError(503, "a part of the stack is down or not ready", type="server_error")
+
+    # ---- forwarding --------------------------------------------------------------------
+
+    def _tenant(self, request: Request) -> dict[str, str]:
+        """The header that names the tenant, to forward (the workers authenticate it again)."""
+        authorization = request.headers.get("authorization")
+        if self.tenants.authenticate(authorization) is None:
+            raise ApiError(
+                401,
+                "missing or invalid API key; send `Authorization: Bearer <key>`",
+                code="invalid_api_key",
+            )
+        return {"authorization": authorization} if authorization is not None else {}
+
+    async def _forward(self, upstream: httpx.Request) -> Response:
+        try:
+            answer = await self.client.send(upstream, stream=True)
+        except httpx.HTTPError:
+            raise ApiError(
+                502, "the router did not answer", type="server_error", code="upstream_unreachable"
+            ) from None
+        headers = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_HEADERS}
+        stream = answer.headers.get("content-type", "").startswith("text/event-stream")
+        if stream and answer.status_code < 400:
+            return StreamingResponse(
+                self._events(answer), status_code=answer.status_code, headers=headers
+            )
+        try:
+            content = await answer.aread()
+        except httpx.HTTPError:
+            raise ApiError(
+                502, "the router's answer was cut", type="server_error", code="upstream_cut"
+            ) from None
+        finally:
+            await answer.aclose()
+        if self.secret in content:
+            return _error(WITHHELD)
+        if stream:  # a refusal: the client gets it as JSON, whatever it asked to stream
+            return JSONResponse(refusal(content), status_code=answer.status_code)
+        return Response(content, status_code=answer.status_code, headers=headers)
+
+    async def _events(self, answer: httpx.Response) -> AsyncIterator[bytes]:
+        """The router's events as they come; an end without `[DONE]` gets an error, then it."""
+        tail = b""  # the last bytes seen: the marker may straddle two reads
+        try:
+            async for chunk in answer.aiter_raw():
+                if self.secret in tail + chunk:
+                    break  # withheld: the stream ends with the error below
+                yield chunk
+                tail = (tail + chunk)[-64:]
+                if DONE_BYTES in tail:
+                    return
+        except httpx.HTTPError:
+            pass  # the router's connection broke: said below
+        finally:
+            with anyio.CancelScope(shield=True):  # also when the client left (cancelled)
+                await answer.aclose()
+        yield sse(STREAM_CUT.body()).encode()
+        yield DONE.encode()
+
+
+def check(kind: Route, obj: Mapping[str, Any]) -> None:
+    """kvfence's verdict on the client's own body (a 400 naming the field), before the router."""
+    if kind == "chat":
+        protocol.parse_chat(split_router_fields(dict(obj), "chat", False)[0])
+        return
+    body, _ = split_router_fields(dict(obj), "completion", False)  # `rid`, bootstrap fields
+    if kind == "generate":
+        completion_body(body)
+    else:
+        protocol.parse_completion(body)
+
+
+def refusal(content: bytes) -> dict[str, Any]:
+    """The worker's error inside the router's refusal of a stream, as an error envelope.
+
+    sglang-router 0.3.2 answers a worker's 4xx to a streamed request with the worker's
+    status and one event that is not JSON: `data: {'error': {"message":` and the worker's
+    own envelope, cut short (seen live). The worker's fields that arrived whole are kept.
+    """
+    text = content.decode("utf-8", "replace")
+    start = text.find('{"error":{')
+    fields: dict[str, Any] = {}
+    if start >= 0:
+        for name, raw in _JSON_FIELD.findall(text, start):
+            if name in ("message", "type", "param", "code") and name not in fields:
+                fields[name] = json.loads(raw)
+    if "message" not in fields:
+        return ApiError(502, "the router refused the request without saying why").body()
+    shape = {"message": "", "type": "invalid_request_error", "param": None, "code": None}
+    return {"error": shape | fields}
+
+
+def _error(e: ApiError) -> Response:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+    return JSONResponse(e.body(), status_code=e.status, headers={**headers, **e.headers})
