@@ -252,6 +252,9 @@ class AuditContext:
     request_timeout_s: float = 120.0
     alpha: float = DEFAULT_ALPHA
     statistical: tuple[str, ...] = STATISTICAL_CHECKS
+    # Worker URLs to probe beside the target's own (`--worker`): a fleet's nodes that a
+    # router does not list, or lists only to its operator.
+    workers: tuple[str, ...] = ()
     rng: random.Random = field(init=False)
     _clients: dict[tuple[str, str], ProbeClient] = field(init=False, default_factory=dict)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)

@@ -27,7 +27,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvfence.audit import report
 from kvfence.audit.base import DEFAULT_ALPHA, DEFAULT_HEADROOM, AuditContext, Budget, CheckResult
-from kvfence.audit.runbook import ALL_CHECKS, AuditRun, run_audit
+from kvfence.audit.runbook import ALL_CHECKS, EMBEDDED_CHECKS, AuditRun, run_audit
 from kvfence.audit.target_names import TargetSpec, TargetSpecError, named_targets
 from kvfence.audit.targets.registry import ENGINE_CHOICES
 from kvfence.audit.tenant_keys import second_key_missing
@@ -37,9 +37,9 @@ from kvfence.audit.tenant_keys import second_key_missing
 EMBEDDED_HOOK = "kvfence.audit.embedded:audit_embedded"
 
 
-def _parse_checks(value: str | None) -> tuple[str, ...]:
+def _parse_checks(value: str | None, default: tuple[str, ...] = ALL_CHECKS) -> tuple[str, ...]:
     if not value:
-        return ALL_CHECKS
+        return default
     names = tuple(n.strip().replace("-", "_") for n in value.split(",") if n.strip())
     unknown = [n for n in names if n not in ALL_CHECKS]
     if unknown:
@@ -94,6 +94,13 @@ class _AuditGroup(click.Group):
     help="reads /metrics and /server_info (operator data on kvfence)",
 )
 @click.option("--checks", default=None, help=f"comma-separated subset of: {', '.join(ALL_CHECKS)}")
+@click.option(
+    "--worker",
+    "workers",
+    multiple=True,
+    help="a fleet worker's own URL to probe beside the target (repeat); a router's listed "
+    "workers are probed without it",
+)
 @click.option("--context", "context", type=int, default=None, help="context length to gate on")
 @click.option("--headroom", type=float, default=DEFAULT_HEADROOM, show_default=True)
 @click.option("--report", "html_out", type=click.Path(dir_okay=False), default=None)
@@ -125,6 +132,7 @@ def audit(
     key_b: str | None,
     operator_key: str | None,
     checks: str | None,
+    workers: tuple[str, ...],
     context: int | None,
     headroom: float,
     html_out: str | None,
@@ -140,7 +148,7 @@ def audit(
     """Audit engines for cross-tenant leaks: exit 0 pass, 1 fail, 2 inconclusive."""
     if ctx.invoked_subcommand is not None:
         return
-    names = _parse_checks(checks)
+    names = _parse_checks(checks, ALL_CHECKS if targets else EMBEDDED_CHECKS)
     if headroom < 1.0:
         raise click.UsageError(f"--headroom must be >= 1, got {headroom}")
     if context is not None and context <= 0:
@@ -165,6 +173,7 @@ def audit(
             seed=seed,
             quiet=quiet,
             alpha=alpha,
+            workers=workers,
         )
         body = _on_targets(actx, specs, engine, names)
         run = _with_progress(body, len(targets) * len(names), quiet, console)

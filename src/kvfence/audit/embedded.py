@@ -27,7 +27,7 @@ from types import MappingProxyType
 import httpx
 
 from kvfence.audit.base import DEFAULT_ALPHA, AuditContext, Budget, CheckResult
-from kvfence.audit.runbook import ALL_CHECKS, AuditRun, preload_checks, run_audit
+from kvfence.audit.runbook import EMBEDDED_CHECKS, AuditRun, preload_checks, run_audit
 from kvfence.audit.target_names import TargetSpec
 
 KEY_A = "embedded-tenant-a-key-0001"
@@ -188,7 +188,7 @@ def wait_ready(server: Starting, timeout_s: float = 180.0) -> EmbeddedServer:
 
 
 def audit_embedded(
-    checks: Sequence[str] = ALL_CHECKS,
+    checks: Sequence[str] = EMBEDDED_CHECKS,
     headroom: float = 1.25,
     seed: int = 0,
     progress: Callable[[str, float | None], None] | None = None,

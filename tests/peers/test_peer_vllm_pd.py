@@ -1,0 +1,92 @@
+"""A real vLLM prefill/decode fleet (NixlConnector on CPU, vllm-router): the transfer-reference hole.
+
+vLLM 0.32's decode server honours any `kv_transfer_params` a client sends: tenant B's prompt
+with tenant A's reference is answered from A's KV, and the foreign blocks then sit in
+decode's prefix cache under B's tokens. vllm-router overwrites a client's reference, so the
+public URL holds; the decode server the router lists does not. The check must say exactly
+that, and must stay quiet on a single vLLM, which hands out no reference at all.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bench.peers import PeerCache, PeerServer
+from bench.peers.pd_fleet import VllmPdFleet, start_vllm_pd
+
+from kvfence.audit.base import AuditContext, Budget, CheckResult, Verdict, run_check
+from kvfence.audit.targets.registry import detect
+from kvfence.audit.transfer_reference import TransferReferenceCheck
+
+pytestmark = [pytest.mark.slow, pytest.mark.peers, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def vllm_pd(
+    tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmPdFleet]:
+    """The fleet for this module only: its two servers spin on both cores while they live."""
+    cache = PeerCache.from_env()
+    if not (cache.vllm_installed() and cache.nixl_installed()):
+        reason = f"vLLM or NIXL not installed in {cache.root} (run `make peers`)"
+        if os.environ.get("KVFENCE_REQUIRE_PEERS") == "1":
+            pytest.fail(reason + "; KVFENCE_REQUIRE_PEERS=1 forbids skipping")
+        pytest.skip(reason)
+    with start_vllm_pd(
+        tiny_checkpoint, log_dir=tmp_path_factory.mktemp("vllm-pd-log"), cache=cache
+    ) as fleet:
+        yield fleet
+
+
+def _run(url: str, workers: tuple[str, ...] = (), seed: int = 0) -> CheckResult:
+    ctx = AuditContext(
+        key_a="tenant-a",
+        key_b="tenant-b",
+        budget=Budget(max_requests=200, max_seconds=600),
+        seed=seed,
+        workers=workers,
+    )
+    with ctx.open():
+        target = detect(url, ctx.client_for_url(url, "a"))
+        return run_check(TransferReferenceCheck(), ctx, target)
+
+
+def _outcomes(res: CheckResult, case: str) -> dict[str, dict[str, Any]]:
+    rows = res.evidence["outcomes"]
+    assert isinstance(rows, list)
+    return {row["route"].split()[0]: row for row in rows if row["case"] == case}
+
+
+def test_decode_serves_b_from_a_reference_and_the_router_holds(vllm_pd: VllmPdFleet) -> None:
+    res = _run(vllm_pd.url)
+    assert res.verdict is Verdict.FAIL, res.summary
+    live = _outcomes(res, "live")
+    # The decode server the router lists: B's prompt answered with A's own continuation.
+    decode = live["decode"]
+    assert decode["status"] == 200 and decode["verdict"] == "leak", decode
+    assert decode["answer"] == decode["own_continuations"]["A"] != decode["own_continuations"]["B"]
+    assert vllm_pd.decode.url.split("//")[1] in res.summary  # the leaking route is named
+    # Through vllm-router the client's reference is overwritten: B gets its own answer.
+    assert live["public"]["verdict"] == "own", live["public"]
+    assert "off the tenants' network" in str(res.evidence["advice"])
+
+
+def test_a_poisoned_prefix_reaches_honest_requests_through_the_router(
+    vllm_pd: VllmPdFleet,
+) -> None:
+    res = _run(vllm_pd.url, seed=7)
+    poisoned = _outcomes(res, "poisoned")
+    assert poisoned, res.evidence
+    # No reference in these requests: the foreign KV came out of decode's prefix cache.
+    assert poisoned["public"]["verdict"] == "leak", poisoned["public"]
+
+
+def test_a_single_vllm_hands_out_no_reference(vllm_peer: PeerServer) -> None:
+    """No false alarm: a server without a KV connector gives no reference and ignores one."""
+    res = _run(vllm_peer.url)
+    assert res.verdict is Verdict.NOT_APPLICABLE, res.summary
+    assert "no route handed tenant A a transfer reference" in res.summary
