@@ -132,11 +132,11 @@ class PoolFacts(Protocol):
 def default_limits(capacity: PoolFacts) -> TenantLimits:
     """The bounds every tenant gets unless configured.
 
-    max_queued_tokens: the longest request: one long prompt at a time waits for
-    prefill (short ones beside it), so a tenant's prompts never fill the step
-    budget ahead of another tenant's. max_concurrent: as many longest requests
-    as fit in a quarter of the prefill pool, and at least `MIN_CONCURRENT` (a
-    client's usual parallelism; the prompts among them still wait one at a time).
+    max_queued_tokens: the longest request: one long prompt of a tenant at a time
+    waits for prefill (short ones beside it), so no tenant queues prompt after
+    prompt ahead of the others'. max_concurrent: as many longest requests as fit
+    in a quarter of the prefill pool, and at least `MIN_CONCURRENT` (a client's
+    usual parallelism; what of it is prompt still waits within the token bound).
     """
     longest = max(1, capacity.edge_limit)
     share = capacity.max_total_num_tokens // POOL_SHARE
