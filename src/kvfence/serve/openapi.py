@@ -19,6 +19,8 @@ request is refused with no other 400.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from kvfence import __version__
@@ -47,6 +49,15 @@ def nullable(schema: Schema) -> Schema:
     return {"anyOf": [schema, {"type": "null"}]}
 
 
+def _top_k() -> Schema:
+    return {
+        "type": "integer",
+        "minimum": -1,
+        "maximum": protocol.MAX_TOP_K,
+        "description": "0 or -1: off",
+    }
+
+
 def _sampling(config: ServeConfig, capacity: Capacity) -> dict[str, Schema]:
     token_id = {"type": "integer", "minimum": 0, "maximum": config.vocab_size - 1}
     stop_string = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
@@ -65,14 +76,7 @@ def _sampling(config: ServeConfig, capacity: Capacity) -> dict[str, Schema]:
         ),
         "temperature": nullable({"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE}),
         "top_p": nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
-        "top_k": nullable(
-            {
-                "type": "integer",
-                "minimum": -1,
-                "maximum": protocol.MAX_TOP_K,
-                "description": "0 or -1: off",
-            }
-        ),
+        "top_k": nullable(_top_k()),
         "seed": nullable({"type": "integer", "minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1]}),
         "stop": nullable(
             {
@@ -109,13 +113,13 @@ def _neutral() -> dict[str, Schema]:
 
 
 # 400s a schema-valid request can get: the limits JSON Schema cannot express (`param:code`).
-BEYOND_SCHEMA = {
-    "completions": ["prompt:context_length_exceeded", "prompt:pool_capacity_exceeded",
-                    "max_tokens:context_length_exceeded", "max_tokens:pool_capacity_exceeded"],
-    "chat": ["messages:context_length_exceeded", "messages:pool_capacity_exceeded",
+BEYOND_SCHEMA: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "completions": ("prompt:context_length_exceeded", "prompt:pool_capacity_exceeded",
+                    "max_tokens:context_length_exceeded", "max_tokens:pool_capacity_exceeded"),
+    "chat": ("messages:context_length_exceeded", "messages:pool_capacity_exceeded",
              "max_tokens:context_length_exceeded", "max_tokens:pool_capacity_exceeded",
-             "max_completion_tokens:invalid_value"],
-}  # fmt: skip
+             "max_completion_tokens:invalid_value"),
+})  # fmt: skip
 
 
 def _absent_or_null(name: str) -> Schema:
@@ -280,7 +284,7 @@ def _ok(schema: Schema, media: str = JSON, stream: bool = False) -> dict[str, Sc
 def _op(op_id: str, responses: dict[str, Schema], body: Schema | None = None) -> Schema:
     op: Schema = {"operationId": op_id, "responses": responses}
     if op_id in BEYOND_SCHEMA:
-        op["x-kvfence-beyond-schema"] = BEYOND_SCHEMA[op_id]
+        op["x-kvfence-beyond-schema"] = list(BEYOND_SCHEMA[op_id])
     if body is not None:
         op["requestBody"] = _json_body(body)
     return op
