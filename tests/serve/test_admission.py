@@ -6,17 +6,21 @@ as plain function calls: the seam where new admission rules go.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from pathlib import Path
 
 import pytest
 
 from kvfence.engine.sizing import GateReport
 from kvfence.model.tokenizer import Tokenizer
-from kvfence.serve.admission import Admission
+from kvfence.serve.admission import Admission, Prepared
 from kvfence.serve.config import Capacity, ServeConfig
 from kvfence.serve.errors import ApiError
+from kvfence.serve.protocol import Kind
 from kvfence.serve.tenants import Tenant, TenantRegistry
+from kvfence.serve.tokenizing import INLINE_BYTES, encodings
 
 KEY_A = "sk-aaaaaaaaaaaaaaaaaaaa"
 KEY_B = "sk-bbbbbbbbbbbbbbbbbbbb"
@@ -91,3 +95,52 @@ def test_chat_is_encoded_through_the_template(admission: Admission) -> None:
     prep = admission.admit("chat", "b", chat.encode())
     bare = admission.tokenizer.encode("hello")
     assert prep.req.kind == "chat" and len(prep.prompt_ids) > len(bare)
+
+
+class _ThreadsSeen:
+    """The real tokenizer, recording which thread encodes each text (an observer, no stand-in)."""
+
+    def __init__(self, real: object) -> None:
+        self.real = real
+        self.encodes: list[tuple[str, int]] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.real, name)
+
+    def encode(self, text: str, **kw: object) -> object:
+        self.encodes.append((threading.current_thread().name, len(text)))
+        return self.real.encode(text, **kw)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_large_prompt_is_tokenized_once_in_the_pool_not_on_the_loop(
+    checkpoint: Path, kind: Kind
+) -> None:
+    """Above INLINE_BYTES the prompt is encoded in the pool's thread; `admit` then uses those
+    ids (encoded once), so nothing is tokenized on the event loop's thread."""
+    tok = Tokenizer.from_dir(checkpoint)
+    seen = _ThreadsSeen(tok.backend)
+    tok.backend = seen  # type: ignore[assignment]
+    config = ServeConfig("tiny", 4096, tok.vocab_size)
+    capacity = Capacity(GateReport(4096, 4096, 1.0), 4096, False, False, 4096)
+    admission = Admission(tok, config, capacity, TenantRegistry((Tenant("a", (KEY_A,)),)))
+    text = "the " * (INLINE_BYTES // 4 + 10)
+    obj = (
+        {"prompt": text}
+        if kind == "completion"
+        else {"messages": [{"role": "user", "content": text}]}
+    )
+    raw = json.dumps({**obj, "max_tokens": 1}).encode()
+
+    async def admit() -> tuple[Prepared, str]:
+        ahead = await admission.encode_ahead(kind, raw)
+        with encodings(ahead):
+            return admission.admit(kind, "a", raw), threading.current_thread().name
+
+    prep, loop_thread = asyncio.run(admit())
+    threads = [name for name, _ in seen.encodes]
+    assert len(threads) == 1 and threads[0] != loop_thread, seen.encodes
+    assert threads[0].startswith("kvf-tokenize"), seen.encodes
+    chat = [{"role": "user", "content": text}]
+    expected = text if kind == "completion" else tok.apply_chat_template(chat)
+    assert list(prep.prompt_ids) == tok.encode(expected)
