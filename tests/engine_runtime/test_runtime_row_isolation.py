@@ -192,3 +192,28 @@ def test_the_http_edge_and_the_engine_bound_sampling_alike() -> None:
     assert fields.SEED_RANGE == messages.SEED_RANGE
     assert fields.MAX_LOGPROBS == messages.MAX_LOGPROBS
     assert fields.MAX_TEMPERATURE <= messages.MAX_SAMPLING_TEMPERATURE
+
+
+def test_a_prompt_that_makes_the_mixed_forward_raise_fails_alone_beside_decoding_rows(
+    models: Models,
+) -> None:
+    """The bad prompt's chunk shares one forward with decode's rows (`forward_together`)."""
+    pipe = models.pipeline("llama", mixed_batches=True)
+    sinks = dict(
+        zip(
+            PROMPTS,
+            submit(pipe, [work(r, r[0], PROMPTS[r], greedy(8)) for r in PROMPTS]),
+            strict=True,
+        )
+    )
+    while not all(s.events for s in sinks.values()):
+        pipe.pump()  # until every good request has its first token: decode holds their rows
+    assert pipe.decode.running and not pipe.prefill.running
+    [bad] = submit(pipe, [work("a-bad", "a", [3, OUT_OF_VOCAB, 4], greedy(5))])
+    pipe.drive()
+    error = bad.wait(0).error
+    assert error is not None and "IndexError" in error.message, error
+    for room, s in sinks.items():
+        r = s.wait(0)
+        assert r.error is None and r.token_ids == solo(models, "llama", room, 8), (room, r)
+    assert_quiet_and_empty(pipe)
