@@ -268,7 +268,9 @@ def test_serve_disaggregated_command(pd_checkpoint: Path, tmp_path: Path) -> Non
         group = _pids(f"kvfence.serve.pd.worker_group {tmp_path}")
         assert len(group) == 3, group
         names = sorted(Path(f"/proc/{pid}/comm").read_text().strip() for pid in group)
-        assert names == ["kvf-decode-0", "kvf-prefill-0", "python"], names
+        # The group keeps the interpreter's own name (python or python3, by installation).
+        assert names[:2] == ["kvf-decode-0", "kvf-prefill-0"], names
+        assert names[2].startswith("python"), names
         assert _running(f"kvfence.serve.pd.worker_entry {tmp_path}") == 0
         assert _running(f"kvfence.serve.pd.router_entry {tmp_path}") == 1
     finally:
