@@ -120,6 +120,30 @@ def test_a_temperature_the_router_would_narrow_is_a_400(stack: Fleet, path: str)
     assert err["param"] == "temperature" and "2" in err["message"], err
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_body_without_a_model_is_served_as_at_a_single_server(stack: Fleet, path: str) -> None:
+    """The router refuses a completion without `model` (422) and sends a chat on as "unknown"."""
+    r = _complete(stack, stack.keys["tenant-a"], {}, path)
+    body = json.loads(r.request.content)
+    del body["model"]
+    r = httpx.post(f"{stack.url}{path}", headers=_bearer(stack.keys["tenant-a"]), json=body)
+    assert r.status_code == 200 and r.json()["model"] == stack.model, (path, r.text)
+
+
+def test_an_answer_with_logprobs_is_json(stack: Fleet) -> None:
+    """The router labels it application/octet-stream."""
+    r = _complete(stack, stack.keys["tenant-a"], {"logprobs": 1})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.headers
+    assert r.json()["choices"][0]["logprobs"]["tokens"], r.text
+
+
+def test_token_ids_on_completions_are_a_400_naming_the_prompt(stack: Fleet) -> None:
+    """sglang-router 0.3.2 cannot take them on /v1/completions (its own 422 otherwise)."""
+    r = _complete(stack, stack.keys["tenant-a"], {"prompt": [17, 18, 19]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "prompt" and "input_ids" in r.text, r.text
+
+
 def test_the_routes_the_router_does_not_serve(stack: Fleet) -> None:
     key_a = _bearer(stack.keys["tenant-a"])
     u = stack.url

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -46,7 +46,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvfence.serve import protocol
 from kvfence.serve.body import read_body
-from kvfence.serve.errors import INTERNAL_ERROR, ApiError
+from kvfence.serve.errors import INTERNAL_ERROR, ApiError, bad_request
 from kvfence.serve.fields import load_json
 from kvfence.serve.responses import DONE, sse
 from kvfence.serve.sglang.fields import split_router_fields
@@ -81,11 +81,15 @@ class EdgeSpec:
     workers: tuple[str, ...]  # every worker's own URL; the first decode worker's is `side`
     side: str  # the worker that answers the routes the router does not serve
     secret: str  # the router credential: no answer may carry it
+    model: str  # the served model's name: the `model` of a body that names none
     body_limit: int  # bytes (413 above), as a worker's own limit
     body_timeout_s: float = 60.0
 
 
 _JSON_FIELD = re.compile(r'"(\w+)":("(?:[^"\\]|\\.)*"|null)')
+# "missing field `model`", or "prompt: data did not match any variant ..." (seen live)
+_ROUTER_FIELD = re.compile(r"field `(\w+)`|target type: (\w+): ")
+_CHAT_WORDS = {"prompt": "messages", "max_tokens": "max_completion_tokens"}
 Route = Literal["completion", "chat", "generate"]
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -163,11 +167,16 @@ class Edge:
         async def handle(request: Request) -> Response:
             headers = {**self._tenant(request), "content-type": "application/json"}
             body = await read_body(request, self.spec.body_limit, self.spec.body_timeout_s)
-            check(kind, load_json(body))
+            obj = load_json(body)
+            check(kind, obj)
+            if kind != "generate" and obj.get("model") is None:
+                # A single server takes no model to mean its own; the router refuses a
+                # completion without one (422) and sends a chat on as model "unknown" (404).
+                body = json.dumps({**obj, "model": self.spec.model}).encode()
             upstream = self.client.build_request(
                 "POST", self.spec.router + request.url.path, headers=headers, content=body
             )
-            return await self._forward(upstream)
+            return await self._forward(upstream, tuple(obj))
 
         return handle
 
@@ -209,7 +218,8 @@ class Edge:
             )
         return {"authorization": authorization} if authorization is not None else {}
 
-    async def _forward(self, upstream: httpx.Request) -> Response:
+    async def _forward(self, upstream: httpx.Request, fields: Sequence[str] = ()) -> Response:
+        """The router's answer; `fields` (the body's) are what a rebuilt error may name."""
         try:
             answer = await self.client.send(upstream, stream=True)
         except httpx.HTTPError:
@@ -232,9 +242,19 @@ class Edge:
             await answer.aclose()
         if self.secret in content:
             return _error(WITHHELD)
+        status = answer.status_code
         if stream:  # a refusal: the client gets it as JSON, whatever it asked to stream
-            return JSONResponse(refusal(content), status_code=answer.status_code)
-        return Response(content, status_code=answer.status_code, headers=headers)
+            return JSONResponse(refusal(content), status_code=status)
+        if status == 422:  # the router's own reader refused the body (plain text)
+            return _error(unreadable(content))
+        if status >= 400:
+            envelope = conform(status, content, fields)
+            if envelope is not None:
+                return JSONResponse(envelope, status_code=status)
+        if content.startswith(b"{") and not headers.get("content-type", "").endswith("json"):
+            # It sends a completion with logprobs as application/octet-stream (seen live).
+            headers["content-type"] = "application/json"
+        return Response(content, status_code=status, headers=headers)
 
     async def _events(self, answer: httpx.Response) -> AsyncIterator[bytes]:
         """The router's events as they come; an end without `[DONE]` gets an error, then it."""
@@ -264,8 +284,86 @@ def check(kind: Route, obj: Mapping[str, Any]) -> None:
     body, _ = split_router_fields(dict(obj), "completion", False)  # `rid`, bootstrap fields
     if kind == "generate":
         completion_body(body)
-    else:
-        protocol.parse_completion(body)
+        return
+    protocol.parse_completion(body)
+    if isinstance(body.get("prompt"), list):
+        raise bad_request(
+            "`prompt` must be text here: sglang-router 0.3.2 takes no token ids on "
+            "/v1/completions (send them to /generate as `input_ids`)",
+            "prompt",
+            "unsupported_value",
+        )
+
+
+def unreadable(content: bytes) -> ApiError:
+    """The router's 422 (its JSON types could not take a body kvfence's parser took) as a 400."""
+    text = content.decode("utf-8", "replace")[:300]
+    named = _ROUTER_FIELD.search(text)
+    return ApiError(
+        400,
+        f"sglang-router could not read this body: {text}",
+        param=named.group(1) or named.group(2) if named else None,
+        code="invalid_value" if named else "invalid_json",
+    )
+
+
+def conform(status: int, content: bytes, fields: Sequence[str]) -> dict[str, Any] | None:
+    """None when the router's error answer is kvfence's envelope already; else one that is.
+
+    The router writes its own refusals (`{"error": {"code": 400, ...}}` for a chat message it
+    will not take) and rewrites a worker's (`"type": "Bad Request"`, the field dropped), seen
+    live; a client gets one shape from every route, with the field named where it can be.
+    """
+    try:
+        obj = json.loads(content)
+    except ValueError:
+        obj = None
+    err = obj.get("error") if isinstance(obj, dict) else None
+    err = err if isinstance(err, dict) else {}
+    if isinstance(obj, dict) and set(obj) == {"error"} and _kvfence_shaped(err):
+        return None
+    message = err.get("message")
+    if not isinstance(message, str) or not message:
+        text = content.decode("utf-8", "replace")[:300].strip()
+        message = text or f"the router answered {status}"
+    code = err.get("code")
+    return {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error" if status < 500 else "server_error",
+            "param": named_field(message, fields),
+            "code": code if isinstance(code, str) else None,
+        }
+    }
+
+
+def _kvfence_shaped(err: Mapping[str, Any]) -> bool:
+    return (
+        isinstance(err.get("message"), str)
+        and bool(err["message"])
+        and isinstance(err.get("type"), str)
+        and "param" in err
+        and (err["param"] is None or isinstance(err["param"], str))
+        and (err.get("code") is None or isinstance(err.get("code"), str))
+    )
+
+
+def named_field(message: str, fields: Sequence[str]) -> str | None:
+    """The field a message names: `in backticks`, `name: ...` first, else the body's first."""
+    quoted = re.search(r"`([\w.]+)`", message)
+    if quoted:
+        return quoted.group(1)
+    lead = re.match(r"(\w+): ", message)
+    if lead and lead.group(1) in fields:
+        return lead.group(1)
+    # A worker's messages say `prompt` and `max_tokens`; a chat body names them otherwise.
+    words = {**{f: f for f in fields}, **{w: f for w, f in _CHAT_WORDS.items() if f in fields}}
+    found = [
+        (m.start(), f)
+        for w, f in words.items()
+        if (m := re.search(rf"\b{re.escape(w)}\b", message))
+    ]
+    return min(found)[1] if found else None
 
 
 def refusal(content: bytes) -> dict[str, Any]:

@@ -24,6 +24,7 @@ class EdgeArgs:
     router: str
     workers: tuple[str, ...]
     side: str
+    model: str
     tenants_file: str
     secret_file: str
     body_limit: int
@@ -56,6 +57,7 @@ def main(argv: list[str]) -> int:
         workers=args.workers,
         side=args.side,
         secret=Path(args.secret_file).read_text().strip(),
+        model=args.model,
         body_limit=args.body_limit,
     )
     app = Edge(spec, TenantRegistry.from_file(args.tenants_file))

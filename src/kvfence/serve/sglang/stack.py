@@ -195,6 +195,7 @@ class Stack:
             router=self.admin_url,
             workers=tuple(w.url for w in self.workers),
             side=decode.url,
+            model=str(facts["served_model_name"]),
             tenants_file=str(self.spec.tenants_file),
             secret_file=str(secret_file),
             # a worker's own body limit (Admission.body_limit): the edge refuses no body it takes
