@@ -8,7 +8,7 @@ router credential (gate.py), so listing them hands it out, and a registered work
 tenants' keys and prompts. So the stack binds the router on a private loopback port and puts
 this edge on the public address. Invariants:
 
-- Only the routes in `EdgeRoutes` answer here; any other path is a 404 and a known path with
+- Only the routes in `Edge.routes` answer here; any other path is a 404 and a known path with
   another method a 405 naming the allowed ones in `Allow`. Nothing reaches the router's
   control plane from here, whatever its own options.
 - The tenant key is checked here (401) before anything is forwarded: the router answers a
@@ -17,7 +17,9 @@ this edge on the public address. Invariants:
   because the router re-serialises it through its own types before a worker sees it: a
   field the router drops (`rid`) or a number it narrows (a temperature of 1e308 becomes f32
   infinity, then null) would otherwise reach the worker as a different, valid request. The
-  bytes forwarded are the client's, unchanged.
+  bytes forwarded are the client's, with the served `model` filled in where it named none.
+- The router's own refusals (its 422s, its error shapes, a refused stream) reach the client
+  as kvfence's error envelope, naming the field where the router's message does.
 - Answers stream through as they arrive (no buffering). An event stream always ends with
   `data: [DONE]`: one the router ends without it (a worker died mid-stream: the router just
   closes) gets an error event first, as kvfence's own routers send.
@@ -54,6 +56,7 @@ from kvfence.serve.sglang.generate import completion_body
 from kvfence.serve.tenants import TenantRegistry
 
 DONE_BYTES = DONE.strip().encode()  # b"data: [DONE]"
+REFUSAL_BYTES = 65536  # read of a refused stream before its end, at most
 # Response headers that describe the router's connection, not the answer.
 HOP_HEADERS = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server"}
@@ -233,7 +236,7 @@ class Edge:
                 self._events(answer), status_code=answer.status_code, headers=headers
             )
         try:
-            content = await answer.aread()
+            content = await (_first_event(answer) if stream else answer.aread())
         except httpx.HTTPError:
             raise ApiError(
                 502, "the router's answer was cut", type="server_error", code="upstream_cut"
@@ -274,6 +277,16 @@ class Edge:
                 await answer.aclose()
         yield sse(STREAM_CUT.body()).encode()
         yield DONE.encode()
+
+
+async def _first_event(answer: httpx.Response) -> bytes:
+    """A refused stream's one event: the router may hold the connection open after it."""
+    content = b""
+    async for chunk in answer.aiter_raw():
+        content += chunk
+        if b"\n\n" in content or len(content) > REFUSAL_BYTES:
+            break
+    return content
 
 
 def check(kind: Route, obj: Mapping[str, Any]) -> None:
