@@ -21,7 +21,9 @@ converted from it), one server at a time:
             the same with the Mooncake transfer engine. The router takes text prompts only
             (token ids get a 422), so these rows send each prompt's ids as text, trimmed
             until it encodes to at most the same number of tokens (the prompt tokens sent are
-            printed); requests carry a tenant key (the workers authenticate every request, I10)
+            printed); requests carry a tenant key (the workers authenticate every request, I10).
+            `kvfence-pd-noedge` (not in the default list): the same stack with the router itself
+            on the public address, without kvfence's edge in front: the edge's cost, same run
 
 Output tokens are counted from each stream's `usage`; TTFT is the time to the first
 event that carries a choice. Requests ask for `logprobs: 1` (all engines alike): random
@@ -77,8 +79,8 @@ from kvfence.model.tiny import PRESETS, default_checkpoint_dir  # noqa: E402
 from kvfence.model.tokenizer import Tokenizer  # noqa: E402
 
 ENGINES = ("kvfence", "kvfence-noledger", "kvfence-pd", "kvfence-pd-mooncake", "vllm", "llamacpp")
-EXTRA_ENGINES = ("kvfence-fcfs",)
-PD_TRANSPORTS = {"kvfence-pd": "tcp", "kvfence-pd-mooncake": "mooncake"}
+EXTRA_ENGINES = ("kvfence-fcfs", "kvfence-pd-noedge")
+PD_TRANSPORTS = {"kvfence-pd": "tcp", "kvfence-pd-mooncake": "mooncake", "kvfence-pd-noedge": "tcp"}
 KV_BYTES = 1 << 30  # every engine gets 1 GiB of KV (vLLM's VLLM_CPU_KVCACHE_SPACE=1)
 CONTEXT = 2048
 LLAMA_SLOTS = 16
@@ -386,7 +388,9 @@ def start_kvfence(model_dir: Path, log_dir: Path, *extra: str) -> PeerServer:
 
 
 @contextmanager
-def pd_stack(transport: str, model_dir: Path, log_dir: Path) -> Iterator[Serving]:
+def pd_stack(
+    transport: str, model_dir: Path, log_dir: Path, edge: bool = True
+) -> Iterator[Serving]:
     """sglang-router + one prefill + one decode kvfence worker (serve/sglang/stack.py)."""
     from kvfence.serve.sglang.stack import Stack, StackSpec
     from kvfence.serve.tenants import TenantRegistry
@@ -398,7 +402,7 @@ def pd_stack(transport: str, model_dir: Path, log_dir: Path) -> Iterator[Serving
     args = ["--model", str(model_dir), "--model-kind", "llama", "--kv-bytes", str(KV_BYTES)]
     args += ["--context-length", str(CONTEXT), "--torch-threads", "1", "--transport", transport]
     t0 = time.perf_counter()
-    with Stack(StackSpec(tuple(args), tenants_file), workdir=workdir) as stack:
+    with Stack(StackSpec(tuple(args), tenants_file, edge=edge), workdir=workdir) as stack:
         ready = time.perf_counter() - t0
         key = {"Authorization": f"Bearer {tenants.tenants[0].keys[0]}"}
         router = stack.supervisor.procs["sglang-router"]
@@ -413,7 +417,8 @@ def engine_server(
 ) -> Iterator[Serving]:
     if engine in PD_TRANSPORTS:
         log_dir.mkdir(parents=True, exist_ok=True)
-        with pd_stack(PD_TRANSPORTS[engine], model_dir, log_dir) as serving:
+        edge = engine != "kvfence-pd-noedge"
+        with pd_stack(PD_TRANSPORTS[engine], model_dir, log_dir, edge) as serving:
             yield serving
         return
     if engine == "kvfence":
