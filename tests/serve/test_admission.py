@@ -111,6 +111,10 @@ class _ThreadsSeen:
         self.encodes.append((threading.current_thread().name, len(text)))
         return self.real.encode(text, **kw)  # type: ignore[attr-defined]
 
+    def encode_batch(self, texts: list[str], **kw: object) -> object:
+        self.encodes.extend((threading.current_thread().name, len(t)) for t in texts)
+        return self.real.encode_batch(texts, **kw)  # type: ignore[attr-defined]
+
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 def test_a_large_prompt_is_tokenized_once_in_the_pool_not_on_the_loop(

@@ -31,7 +31,13 @@ from kvfence.serve.fields import load_json
 from kvfence.serve.limits import AdmissionLimits, default_limits
 from kvfence.serve.protocol import GenerationRequest, Kind
 from kvfence.serve.tenants import TenantRegistry
-from kvfence.serve.tokenizing import INLINE_BYTES, TokenizerPool, encoded_ahead
+from kvfence.serve.tokenizing import (
+    INLINE_BYTES,
+    Encoded,
+    TokenizerPool,
+    encode_once,
+    encoded_ahead,
+)
 
 # Unicode normalization (NFC, NFKC) can fold up to 3 code points into one (Hangul jamo,
 # stacked diacritics) before the tokenizer sees them: room for 4 keeps the bound an upper one.
@@ -86,14 +92,14 @@ class Admission:
         """The largest request body read, in bytes (413 above it)."""
         return body_limit_for(self.config.context_length)
 
-    async def encode_ahead(self, kind: Kind, body: bytes) -> Mapping[str, tuple[int, ...]]:
+    async def encode_ahead(self, kind: Kind, body: bytes) -> Mapping[str, Encoded]:
         """The texts this body's prompt will need, encoded in the bounded pool (off the loop)
         when the body is large; `tokenizing.encodings` hands them to `admit`/`prepare`."""
         if len(body) <= INLINE_BYTES:
             return {}  # tokenized inline by `admit`: cheaper than a thread hop
         return await self.pool.run(len(body), lambda: self._texts_encoded(kind, body))
 
-    def _texts_encoded(self, kind: Kind, body: bytes) -> Mapping[str, tuple[int, ...]]:
+    def _texts_encoded(self, kind: Kind, body: bytes) -> Mapping[str, Encoded]:
         """Best effort: anything refused here is refused again, cheaply, by the real parse
         (fields another layer strips first, such as a router's, are left out)."""
         try:
@@ -109,7 +115,9 @@ class Admission:
                 text = obj["prompt"]
             else:
                 return {}
-            return {text: self.encode_text(text, "prompt")}
+            if len(text) > self.prompt_char_limit:
+                return {}  # refused by the real parse before it looks at any encoding
+            return {text: self._encode(text, "messages" if kind == "chat" else "prompt")}
         except ApiError:
             return {}
 
@@ -204,7 +212,26 @@ class Admission:
         if len(text) > self.prompt_char_limit:
             raise self._too_many_chars(param, len(text))
         ahead = encoded_ahead(text)
-        return ahead if ahead is not None else tuple(self.tokenizer.encode(text))
+        encoded = ahead if ahead is not None else self._encode(text, param)
+        if isinstance(encoded, ApiError):
+            raise encoded
+        return encoded
+
+    def _encode(self, text: str, param: str) -> Encoded:
+        """The ids, or the refusal of a text over the context (from the count alone: a refused
+        prompt's ids are never built, which for a ~1 MB prompt is a million Python ints)."""
+        encoding = encode_once(self.tokenizer, text)
+        if len(encoding) > self.config.context_length:
+            return self._too_many_tokens(param, len(encoding))
+        return tuple(encoding.ids)
+
+    def _too_many_tokens(self, param: str, n: int) -> ApiError:
+        ctx = self.config.context_length
+        return bad_request(
+            f"`{param}` has {n} tokens; this model's maximum context length is {ctx} tokens",
+            param,
+            "context_length_exceeded",
+        )
 
     def _too_many_chars(self, param: str, chars: int) -> ApiError:
         ctx = self.config.context_length
@@ -239,11 +266,7 @@ class Admission:
         if n == 0:
             raise bad_request(f"`{param}` is empty; send at least one token", param, "empty_prompt")
         if n > ctx:
-            raise bad_request(
-                f"`{param}` has {n} tokens; this model's maximum context length is {ctx} tokens",
-                param,
-                "context_length_exceeded",
-            )
+            raise self._too_many_tokens(param, n)
         # I4: with an undersized pool the edge is the pool, and it is enforced here,
         # before the backend sees anything.
         limit_name = "pool_capacity_exceeded" if edge < ctx else "context_length_exceeded"

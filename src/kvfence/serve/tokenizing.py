@@ -5,13 +5,15 @@ character: on the event loop, one large prompt would stall every other
 tenant's requests (their admission, their streamed tokens) for as long. Work
 above `INLINE_BYTES` of body therefore runs in a thread pool sized to the
 usable cores, the bound on how much of the machine tokenizing can take
-(half of them: the engine's step and the event loop keep the rest; the
-`tokenizers` library releases the GIL while it encodes, so the loop keeps
-running). Small bodies are tokenized inline: their cost is below a thread hop's
+(half of them: the engine's step and the event loop keep the rest). The
+encoding itself goes through `tokenizers`' batch entry point, which releases
+the GIL while it works; its single-text `encode` holds it throughout (about a
+second for a 1 MB prompt), which would stall the loop from any thread. Small bodies are tokenized inline: their cost is below a thread hop's
 and they never queue behind a large one.
 
-`Encodings` carries texts encoded ahead, off the loop, to the synchronous
-admission path that needs them: the request's own task sets it around
+`encodings` carries texts encoded ahead, off the loop, to the synchronous
+admission path that needs them (their ids, or the refusal of a text over the
+context): the request's own task sets it around
 admission (a context variable is task-local), so a text is never looked up in
 another request's encodings.
 """
@@ -20,21 +22,30 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import TypeVar
 
-T = TypeVar("T")
+from tokenizers import Encoding
 
+from kvfence.model.tokenizer import Tokenizer
+from kvfence.serve.errors import ApiError
+
+T = TypeVar("T")
+# A text's ids, or the refusal its encoding earned (a prompt over the context), kept so the
+# synchronous path raises it without encoding the text again.
+Encoded = tuple[int, ...] | ApiError
+
+# How much lower than the server's other threads the pool's run (a nice increment).
+NICENESS = 10
 # Bodies up to this size are parsed and tokenized on the loop (well under a millisecond).
 INLINE_BYTES = 8 * 1024
 
 # The texts this task's request encoded ahead (text -> ids); empty outside admission.
-_AHEAD: ContextVar[Mapping[str, tuple[int, ...]] | None] = ContextVar(
-    "kvfence_encoded_ahead", default=None
-)
+_AHEAD: ContextVar[Mapping[str, Encoded] | None] = ContextVar("kvfence_encoded_ahead", default=None)
 
 
 def usable_cores() -> int:
@@ -51,7 +62,9 @@ class TokenizerPool:
 
     def __init__(self, workers: int | None = None) -> None:
         self.workers = workers or default_workers()
-        self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="kvf-tokenize")
+        self._executor = ThreadPoolExecutor(
+            self.workers, thread_name_prefix="kvf-tokenize", initializer=_yield_cpu
+        )
 
     async def run(self, size: int, fn: Callable[[], T]) -> T:
         """`fn()` inline when the input is small (`size` bytes), else in the pool."""
@@ -63,14 +76,27 @@ class TokenizerPool:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def encoded_ahead(text: str) -> tuple[int, ...] | None:
+def _yield_cpu() -> None:
+    """Run this pool thread below the engine and the loop (Linux nice values are per thread):
+    on a busy machine a large prompt waits for a core, not another tenant's step."""
+    if hasattr(os, "setpriority"):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
+
+
+def encode_once(tokenizer: Tokenizer, text: str) -> Encoding:
+    """`text` encoded as `tokenizer.encode(text)` does, with the GIL released meanwhile."""
+    [encoding] = tokenizer.backend.encode_batch([text], add_special_tokens=False)
+    return encoding
+
+
+def encoded_ahead(text: str) -> Encoded | None:
     """The ids of `text` if this request encoded it ahead, else None."""
     ahead = _AHEAD.get()
     return None if ahead is None else ahead.get(text)
 
 
 @contextmanager
-def encodings(ahead: Mapping[str, tuple[int, ...]]) -> Iterator[None]:
+def encodings(ahead: Mapping[str, Encoded]) -> Iterator[None]:
     """Make `ahead` visible to `encoded_ahead` in this task for the duration of the block."""
     token = _AHEAD.set(ahead)
     try:
