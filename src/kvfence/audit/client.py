@@ -29,8 +29,10 @@ from kvfence.audit.probe_response import ProbeResponse, absorb_openai
 __all__ = ["OPERATOR_PATHS", "ProbeClient", "ProbeResponse"]
 
 
-# Paths that carry operator data on kvfence (and are harmless to read as operator elsewhere).
-OPERATOR_PATHS = frozenset({"/metrics", "/server_info", "/get_server_info"})
+# Paths that carry operator data on kvfence (and are harmless to read as operator elsewhere);
+# `/workers` is a router's admin list (sglang-router's control plane takes only an admin key,
+# which `kvfence serve --disaggregated` draws from the tenants file's operator keys).
+OPERATOR_PATHS = frozenset({"/metrics", "/server_info", "/get_server_info", "/workers"})
 
 
 class ProbeClient:
