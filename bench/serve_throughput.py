@@ -395,7 +395,9 @@ def pd_stack(
     from kvfence.serve.sglang.stack import Stack, StackSpec
     from kvfence.serve.tenants import TenantRegistry
 
-    tenants = TenantRegistry.generate(("bench",))
+    # One tenant carries the whole load here: the per-tenant defaults, there to keep one
+    # tenant from starving the others, would refuse it (the single process runs --no-auth).
+    tenants = TenantRegistry.generate(("bench",)).without_default_limits()
     workdir = Path(tempfile.mkdtemp(prefix="kvfence-pd-", dir=log_dir))
     tenants_file = workdir / "tenants.json"
     tenants_file.write_text(tenants.to_json())
