@@ -132,3 +132,10 @@ def test_a_405_lists_the_allowed_method(server: Live, method: str, path: str, al
     r = httpx.request(method, server.url + path, headers=server.auth(), timeout=IO_TIMEOUT_S)
     assert r.status_code == 405 and r.headers.get("allow") == allowed, (r.headers, r.text)
     assert allowed in r.json()["error"]["message"]
+
+
+def test_tokenize_counts_a_text_over_the_context(server: Live) -> None:
+    """The character bound is the only one /tokenize applies: it counts, it does not refuse."""
+    ctx = server.parts.config.context_length
+    r = _post(server, "/tokenize", b'{"prompt": "' + b"ab " * (2 * ctx) + b'"}')
+    assert r.status_code == 200 and r.json()["count"] > ctx, r.text[:300]

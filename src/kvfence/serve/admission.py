@@ -193,8 +193,10 @@ class Admission:
             return base
         return f"{base}/salt:{hashlib.sha256(salt.encode()).hexdigest()[:32]}"
 
-    def encode_chat(self, messages: tuple[protocol.ChatMessage, ...]) -> list[int]:
-        return list(self.encode_text(self._chat_text(messages), "messages"))
+    def encode_chat(
+        self, messages: tuple[protocol.ChatMessage, ...], *, whole: bool = False
+    ) -> list[int]:
+        return list(self.encode_text(self._chat_text(messages), "messages", whole=whole))
 
     def _chat_text(self, messages: tuple[protocol.ChatMessage, ...]) -> str:
         chars = sum(len(m.content) for m in messages)
@@ -207,10 +209,13 @@ class Admission:
         except Exception as e:  # jinja raises many kinds; any of them is a bad conversation
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
 
-    def encode_text(self, text: str, param: str) -> tuple[int, ...]:
-        """`text`'s ids (encoded ahead by this request, or now); over the character bound: 400."""
+    def encode_text(self, text: str, param: str, *, whole: bool = False) -> tuple[int, ...]:
+        """`text`'s ids (encoded ahead by this request, or now); over the character bound: 400.
+        Over the context a 400 too, unless `whole` (/tokenize counts any text it is sent)."""
         if len(text) > self.prompt_char_limit:
             raise self._too_many_chars(param, len(text))
+        if whole:
+            return tuple(encode_once(self.tokenizer, text).ids)
         ahead = encoded_ahead(text)
         encoded = ahead if ahead is not None else self._encode(text, param)
         if isinstance(encoded, ApiError):

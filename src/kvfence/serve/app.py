@@ -203,8 +203,8 @@ def _token_routes(admission: Admission, tokenizer: Tokenizer, config: ServeConfi
 
         def encode() -> list[int]:
             if prompt is not None:
-                return list(admission.encode_text(prompt, "prompt"))
-            return admission.encode_chat(messages or ())
+                return list(admission.encode_text(prompt, "prompt", whole=True))
+            return admission.encode_chat(messages or (), whole=True)
 
         ids = await admission.pool.run(len(raw), encode)  # large ones off the loop
         return {"count": len(ids), "max_model_len": config.context_length, "tokens": ids}

@@ -119,6 +119,8 @@ BEYOND_SCHEMA: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "chat": ("messages:context_length_exceeded", "messages:pool_capacity_exceeded",
              "max_tokens:context_length_exceeded", "max_tokens:pool_capacity_exceeded",
              "max_completion_tokens:invalid_value"),
+    # The character bound: no text that long fits the context, so none is tokenized.
+    "tokenize": ("prompt:context_length_exceeded", "messages:context_length_exceeded"),
 })  # fmt: skip
 
 
