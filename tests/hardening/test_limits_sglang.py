@@ -4,7 +4,8 @@ The real stack on loopback (`serve/sglang/stack.py`: kvfence workers, the real
 sglang-router), every tenant with the default limits. Tenant "flood" sends
 `FLOOD_CLIENTS` concurrent near-limit prompts, so the workers refuse most of
 them (429: over its queued tokens or in-flight requests). sglang-router turns a
-worker's 429 into a 500 and, with its default circuit breaker, counts it
+worker's 429 into a 500 (the stack's edge gives the client its 429 back) and, with its
+default circuit breaker, counts it
 against the worker: 28 of them opened every circuit and every tenant got 503
 "all circuits open" for the breaker's 60 s. The stack keeps the breaker shut
 (`ROUTER_FAILURE_ARGS`), so "quiet" is served during and after the flood;
@@ -42,12 +43,15 @@ ROUTER_DEFAULTS = ("--cb-failure-threshold", "10", "--retry-max-retries", "5")
 class Seen:
     statuses: Counter[tuple[str, int]] = field(default_factory=Counter)
     bodies: dict[tuple[str, int], str] = field(default_factory=dict)
+    retry_after: Counter[tuple[str, int]] = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def note(self, tenant: str, r: httpx.Response) -> None:
         with self.lock:
             self.statuses[tenant, r.status_code] += 1
             self.bodies.setdefault((tenant, r.status_code), r.text[:300])
+            if r.headers.get("retry-after", "").isdigit():
+                self.retry_after[tenant, r.status_code] += 1
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,10 @@ def test_one_tenants_refusals_leave_the_others_served(checkpoint: Path, tmp_path
     with _stack(checkpoint, tmp_path, ()) as fleet:
         seen = _flood_then_quiet(fleet)
         assert _refused_for_limits(seen), seen.bodies  # the flood was refused for its limits
+        # ... with a 429 and Retry-After, as a single server answers it: the router hands a
+        # worker's 429 on as a 500, and the edge restores it from the refusal's code.
+        assert seen.statuses["flood", 429] == seen.retry_after["flood", 429] > 0, seen.bodies
+        assert ("flood", 500) not in seen.statuses, seen.bodies
         quiet = {(t, s): n for (t, s), n in seen.statuses.items() if t.startswith("quiet")}
         assert set(quiet) <= {("quiet-during", 200), ("quiet-after", 200)}, seen.bodies
         assert quiet["quiet-after", 200] == 3, quiet

@@ -59,6 +59,13 @@ COSTLY_REFUSALS: Final = frozenset(
 
 Bound = int | None | Literal["default"]  # None: unbounded; "default": from the capacity
 
+# A refusal's code and the words its message starts with: the sglang-router stack's edge
+# gives a client its 429 back from them (the router hands a worker's 429 on as a 500, and a
+# prefill worker's refusal reaches the client through decode, which keeps only the words).
+LIMIT_CODE = "tenant_over_limit"
+OVER_LIMIT = "tenant over its admission limit"
+REFUSED_TOO_OFTEN = "tenant refused too often"
+
 
 @dataclass(frozen=True, slots=True)
 class TenantLimits:
@@ -209,7 +216,7 @@ class AdmissionLimits:
         if wait is not None:
             use.refused += 1
             raise _too_many(
-                f"tenant refused too often: more than {lim.refusal_burst} refused requests at "
+                f"{REFUSED_TOO_OFTEN}: more than {lim.refusal_burst} refused requests at "
                 f"once or {lim.refusals_per_s:g} per second; retry after {wait} s",
                 wait,
             )
@@ -279,7 +286,7 @@ class AdmissionLimits:
     def _refuse(lim: TenantLimits, use: Usage, over: str) -> NoReturn:
         use.refused += 1
         raise _too_many(
-            f"tenant over its admission limit: {over}; retry after {lim.retry_after_s} s",
+            f"{OVER_LIMIT}: {over}; retry after {lim.retry_after_s} s",
             lim.retry_after_s,
         )
 
@@ -305,6 +312,6 @@ def _too_many(message: str, retry_after_s: int) -> ApiError:
         429,
         message,
         type="rate_limit_error",
-        code="tenant_over_limit",
+        code=LIMIT_CODE,
         headers={"Retry-After": str(retry_after_s)},
     )

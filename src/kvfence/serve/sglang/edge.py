@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -49,6 +50,7 @@ from kvfence.serve import protocol
 from kvfence.serve.body import read_body
 from kvfence.serve.errors import INTERNAL_ERROR, ApiError, bad_request
 from kvfence.serve.fields import load_json
+from kvfence.serve.limits import LIMIT_CODE, OVER_LIMIT, REFUSED_TOO_OFTEN
 from kvfence.serve.responses import DONE, sse
 from kvfence.serve.sglang.fields import split_router_fields
 from kvfence.serve.sglang.generate import completion_body
@@ -56,6 +58,7 @@ from kvfence.serve.sglang.router_errors import conform, refusal, unreadable
 from kvfence.serve.tenants import TenantRegistry
 
 DONE_BYTES = DONE.strip().encode()  # b"data: [DONE]"
+_RETRY_AFTER = re.compile(r"retry after (\d+) s")
 REFUSAL_BYTES = 65536  # read of a refused stream before its end, at most
 # Response headers that describe the router's connection, not the answer.
 HOP_HEADERS = frozenset(
@@ -243,13 +246,12 @@ class Edge:
             return _error(WITHHELD)
         status = answer.status_code
         if stream:  # a refusal: the client gets it as JSON, whatever it asked to stream
-            return JSONResponse(refusal(content), status_code=status)
+            return _refused(refusal(content), status)
         if status == 422:  # the router's own reader refused the body (plain text)
             return _error(unreadable(content))
         if status >= 400:
             envelope = conform(status, content, fields)
-            if envelope is not None:
-                return JSONResponse(envelope, status_code=status)
+            return _refused(envelope or json.loads(content), status)
         if content.startswith(b"{") and not headers.get("content-type", "").endswith("json"):
             # It sends a completion with logprobs as application/octet-stream (seen live).
             headers["content-type"] = "application/json"
@@ -302,6 +304,25 @@ def check(kind: Route, obj: Mapping[str, Any]) -> None:
             "prompt",
             "unsupported_value",
         )
+
+
+def _refused(envelope: dict[str, Any], status: int) -> Response:
+    """A worker's refusal as the client must see it.
+
+    A tenant over its admission limit is a 429 with `Retry-After` at the worker, which
+    sglang-router 0.3.2 hands on as a 500 (it keeps no worker's 429): restored here from the
+    refusal's own code and wait, so a client backs off instead of seeing a server error.
+    """
+    err = envelope.get("error")
+    message = str(err.get("message", "")) if isinstance(err, dict) else ""
+    if isinstance(err, dict) and (
+        err.get("code") == LIMIT_CODE or message.startswith((OVER_LIMIT, REFUSED_TOO_OFTEN))
+    ):
+        wait = _RETRY_AFTER.search(message)
+        headers = {"Retry-After": wait.group(1) if wait else "1"}
+        err.update(type="rate_limit_error", code=LIMIT_CODE)
+        return JSONResponse(envelope, status_code=429, headers=headers)
+    return JSONResponse(envelope, status_code=status)
 
 
 def _error(e: ApiError) -> Response:
