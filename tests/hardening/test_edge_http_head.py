@@ -142,3 +142,21 @@ def test_a_slow_head_within_the_deadline_is_served(server: Live) -> None:
         sock.sendall(body)
         answer = _read_all(sock)
     assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+
+
+def test_an_answer_before_the_body_is_read_says_the_connection_closes(server: Live) -> None:
+    """A request refused before its body is read (here a 401) says `Connection: close`.
+
+    The server closes such a connection once the answer is out, not reading what it refused;
+    a pooled client that was not told would send its next request on it and lose that request
+    ("server disconnected without sending a response"). Served requests keep the connection.
+    """
+    body = {"prompt": "pooled", "max_tokens": 2, "temperature": 0}
+    with httpx.Client(timeout=IO_TIMEOUT_S) as client:
+        for _ in range(3):
+            refused = client.post(server.url + "/v1/completions", json=body)
+            assert refused.status_code == 401, refused.text
+            assert refused.headers.get("connection") == "close", refused.headers
+            served = client.post(server.url + "/v1/completions", json=body, headers=server.auth())
+            assert served.status_code == 200, served.text
+            assert served.headers.get("connection") != "close", served.headers

@@ -44,10 +44,10 @@ from switch_servers import (
 from kvfence.engine.backend import GenerateWork
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.messages import SamplingParams
-from kvfence.engine.pipeline import CollectingSink, LocalPipeline
+from kvfence.engine.pipeline import CollectingSink, LocalPipeline, Result
 from kvfence.engine.request import RequestState
 from kvfence.engine.sizing import CapacityGateError
-from kvfence.faults import Fault, FaultSet
+from kvfence.faults import POISON_SEED, Fault, FaultSet
 from kvfence.kv.pool import BatchPages, IsolationViolation, PageHandle
 from kvfence.model.loader import load_model
 from kvfence.serve.app import create_app
@@ -407,7 +407,33 @@ def test_early_free_hands_pages_a_transfer_may_still_hit_to_another_tenant(
     assert on.a_pages & on.b_pages  # the symptom: B holds pages A's transfer may still land in
 
 
+def poisoned_beside_another(checkpoint: Path, faults: FaultSet) -> tuple[Result, Result]:
+    """A's request seeded to be failed by `poisoned-sampling` from its second token on, B's
+    greedy one beside it: both prefilled and decoded in the same steps."""
+    loaded = load_model(checkpoint, kind="mirror")
+    config = EngineConfig(prefill_pages=32, decode_pages=32)
+    geometry = loaded.config.kv_geometry(page_size=config.page_size)
+    pipe = LocalPipeline(loaded.model, geometry, config, faults, kv_link=inprocess_link)
+    a_sink, b_sink = CollectingSink(), CollectingSink()
+    marked = SamplingParams(max_tokens=4, seed=POISON_SEED + 1, ignore_eos=True)
+    pipe.submit(GenerateWork("ra", "tenant-a", tuple(range(300, 332)), marked, "a"), a_sink)
+    pipe.submit(GenerateWork("rb", "tenant-b", tuple(range(100, 132)), greedy(4), "b"), b_sink)
+    pipe.drive()
+    return a_sink.wait(0), b_sink.wait(0)
+
+
+def test_poisoned_sampling_fails_the_marked_request_and_only_it(lab_checkpoint: Path) -> None:
+    """The switch injects a failure (it removes no defence): off, the marked request is served;
+    on, it fails with its own error while B, in the same steps, gets its own tokens."""
+    a_off, b_off = poisoned_beside_another(lab_checkpoint, FaultSet())
+    assert a_off.error is None and len(a_off.token_ids) == 4, a_off
+    assert b_off.error is None and b_off.token_ids == list(range(100, 104))
+    a_on, b_on = poisoned_beside_another(lab_checkpoint, FaultSet.of(Fault.POISONED_SAMPLING))
+    assert a_on.error is not None and "poisoned-sampling" in a_on.error.message, a_on
+    assert b_on.error is None and b_on.token_ids == list(range(100, 104)), b_on
+
+
 def test_every_switch_has_a_test_here() -> None:
     tested = {U, ANT, DTB, NLC, Fault.ABORT_AS_SUCCESS, Fault.SHARED_PREFIX_CACHE}
-    tested |= {Fault.NO_INVALIDATE, Fault.EARLY_FREE}
+    tested |= {Fault.NO_INVALIDATE, Fault.EARLY_FREE, Fault.POISONED_SAMPLING}
     assert tested == set(Fault)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import h11
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 # How long, and how much, a refused client may still send before the connection is dropped.
@@ -163,6 +164,51 @@ class EdgeProtocol(H11Protocol):
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self.loop.call_later(LINGER_S, self.transport.close)
+
+
+class CloseUnreadBody:
+    """ASGI middleware: an answer sent before the request's body was read says `Connection:
+    close`.
+
+    `EdgeProtocol` closes such a connection once the answer is out (it will not read what it
+    refused). The answer must say so in its head: a client that was not told keeps the
+    connection in its pool, sends its next request on it, and loses that request to the close
+    ("server disconnected without sending a response"), which is what a refused tenant's
+    next, valid request met (a 429 answered before the body, then a keep-alive reuse).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not _has_body(scope):
+            await self.app(scope, receive, send)
+            return
+        read_whole = False
+
+        async def tracked_receive() -> Message:
+            nonlocal read_whole
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                read_whole = True
+            return message
+
+        async def closing_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and not read_whole:
+                headers = [(k, v) for k, v in message.get("headers", []) if k != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, tracked_receive, closing_send)
+
+
+def _has_body(scope: Scope) -> bool:
+    for name, value in scope.get("headers", []):
+        if name == b"content-length":
+            return value.strip() not in (b"", b"0")
+        if name == b"transfer-encoding" and b"chunked" in value.lower():
+            return True
+    return False
 
 
 def protocol_class(limits: HttpLimits) -> type[H11Protocol]:

@@ -18,7 +18,12 @@ from types import TracebackType
 import uvicorn
 from starlette.types import ASGIApp
 
-from kvfence.serve.http_edge import DEFAULT_HTTP_LIMITS, HttpLimits, protocol_class
+from kvfence.serve.http_edge import (
+    DEFAULT_HTTP_LIMITS,
+    CloseUnreadBody,
+    HttpLimits,
+    protocol_class,
+)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -41,7 +46,7 @@ def url_of(sock: socket.socket) -> str:
 
 def _server(app: ASGIApp, log_level: str, limits: HttpLimits) -> uvicorn.Server:
     config = uvicorn.Config(
-        app,
+        CloseUnreadBody(app),
         http=protocol_class(limits),
         h11_max_incomplete_event_size=limits.header_bytes,
         log_level=log_level,
