@@ -130,6 +130,23 @@ def test_a_body_without_a_model_is_served_as_at_a_single_server(stack: Fleet, pa
     assert r.status_code == 200 and r.json()["model"] == stack.model, (path, r.text)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_null_fields_are_served_as_absent_as_at_a_single_server(stack: Fleet, path: str) -> None:
+    """The router's types refuse a null where they want a value (`echo`, `n`: 422)."""
+    nulls = {"echo": None, "n": None, "seed": None, "stop": None, "logit_bias": None}
+    r = _complete(stack, stack.keys["tenant-a"], nulls, path)
+    assert r.status_code == 200, (path, r.text)
+
+
+def test_an_empty_message_the_router_refuses_is_a_400_with_its_code(stack: Fleet) -> None:
+    """sglang-router refuses empty message content; the schema lists `messages:empty_content`."""
+    empty = {"messages": [{"role": "user", "content": ""}]}
+    r = _complete(stack, stack.keys["tenant-a"], empty, "/v1/chat/completions")
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages", r.text
+    assert err["code"] == "empty_content", r.text
+
+
 def test_an_answer_with_logprobs_is_json(stack: Fleet) -> None:
     """The router labels it application/octet-stream."""
     r = _complete(stack, stack.keys["tenant-a"], {"logprobs": 1})

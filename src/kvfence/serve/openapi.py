@@ -118,7 +118,9 @@ BEYOND_SCHEMA: Mapping[str, tuple[str, ...]] = MappingProxyType({
                     "max_tokens:context_length_exceeded", "max_tokens:pool_capacity_exceeded"),
     "chat": ("messages:context_length_exceeded", "messages:pool_capacity_exceeded",
              "max_tokens:context_length_exceeded", "max_tokens:pool_capacity_exceeded",
-             "max_completion_tokens:invalid_value"),
+             "max_completion_tokens:invalid_value",
+             # behind sglang-router, which refuses a message whose content is empty
+             "messages:empty_content"),
     # The character bound: no text that long fits the context, so none is tokenized.
     "tokenize": ("prompt:context_length_exceeded", "messages:context_length_exceeded"),
 })  # fmt: skip

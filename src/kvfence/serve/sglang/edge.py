@@ -17,7 +17,8 @@ this edge on the public address. Invariants:
   because the router re-serialises it through its own types before a worker sees it: a
   field the router drops (`rid`) or a number it narrows (a temperature of 1e308 becomes f32
   infinity, then null) would otherwise reach the worker as a different, valid request. The
-  bytes forwarded are the client's, with the served `model` filled in where it named none.
+  bytes forwarded are the client's, with null fields dropped and the served `model` filled
+  in where it named none.
 - The router's own refusals (its 422s, its error shapes, a refused stream) reach the client
   as kvfence's error envelope, naming the field where the router's message does.
 - Answers stream through as they arrive (no buffering). An event stream always ends with
@@ -171,10 +172,16 @@ class Edge:
             body = await read_body(request, self.spec.body_limit, self.spec.body_timeout_s)
             obj = load_json(body)
             check(kind, obj)
-            if kind != "generate" and obj.get("model") is None:
-                # A single server takes no model to mean its own; the router refuses a
-                # completion without one (422) and sends a chat on as model "unknown" (404).
-                body = json.dumps({**obj, "model": self.spec.model}).encode()
+            if (kind != "generate" and obj.get("model") is None) or None in obj.values():
+                # kvfence reads a null field as absent; the router's types refuse a null
+                # where they want a value (`"echo": null` is a 422, seen live), so nulls are
+                # dropped. A single server takes no model to mean its own; the router
+                # refuses a completion without one (422) and sends a chat on as model
+                # "unknown" (404), so the served model is filled in.
+                sent = {k: v for k, v in obj.items() if v is not None}
+                if kind != "generate":
+                    sent.setdefault("model", self.spec.model)
+                body = json.dumps(sent).encode()
             upstream = self.client.build_request(
                 "POST", self.spec.router + request.url.path, headers=headers, content=body
             )

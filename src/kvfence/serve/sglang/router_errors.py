@@ -20,6 +20,9 @@ from kvfence.serve.errors import ApiError
 _JSON_FIELD = re.compile(r'"(\w+)":("(?:[^"\\]|\\.)*"|null)')
 # "missing field `model`", or "prompt: data did not match any variant ..." (seen live)
 _ROUTER_FIELD = re.compile(r"field `(\w+)`|target type: (\w+): ")
+# The router's own refusals of what a kvfence worker would take, by their words (seen live):
+# their code here is the one the stack's schema lists (openapi.BEYOND_SCHEMA).
+_ROUTER_CODES = (("content cannot be empty", "empty_content"),)
 # A worker's messages say `prompt` and `max_tokens`; a chat body names them otherwise.
 _CHAT_WORDS = (("prompt", "messages"), ("max_tokens", "max_completion_tokens"))
 
@@ -56,12 +59,14 @@ def conform(status: int, content: bytes, fields: Sequence[str]) -> dict[str, Any
         text = content.decode("utf-8", "replace")[:300].strip()
         message = text or f"the router answered {status}"
     code = err.get("code")
+    if not isinstance(code, str):
+        code = next((c for words, c in _ROUTER_CODES if words in message), None)
     return {
         "error": {
             "message": message,
             "type": "invalid_request_error" if status < 500 else "server_error",
             "param": named_field(message, fields),
-            "code": code if isinstance(code, str) else None,
+            "code": code,
         }
     }
 
