@@ -17,7 +17,8 @@ import httpx
 import pytest
 import schemathesis
 from schemathesis import GenerationMode
-from test_openapi_fuzz import OPERATIONS, PER_CASE, Tally, _attack
+from schemathesis_cli import checks_all
+from test_openapi_fuzz import CLI_EXAMPLES, OPERATIONS, PER_CASE, Tally, _attack
 
 from kvfence.serve.sglang.stack import Stack, StackSpec
 from kvfence.serve.tenants import TenantRegistry
@@ -103,4 +104,12 @@ def test_generated_requests_through_sglang_router_get_2xx_or_a_4xx_naming_the_fi
     assert tally.requests >= 1000 or PER_CASE < 120, f"only {tally.requests} requests were sent"
     assert not [s for s in tally.statuses if s.startswith("5")], tally.statuses
     assert not tally.problems, "\n".join(tally.problems[:30])
+    assert routed.settle() == {"prefill": 0, "decode": 0}
+
+
+def test_schemathesis_checks_all_through_sglang_router(routed: Routed, tmp_path: Path) -> None:
+    """schemathesis' own command line, every check it has, against the stack's public address."""
+    run = checks_all(routed.url, routed.auth()["Authorization"].split()[1], CLI_EXAMPLES, tmp_path)
+    print(run.summary)
+    assert run.returncode == 0, run.summary
     assert routed.settle() == {"prefill": 0, "decode": 0}

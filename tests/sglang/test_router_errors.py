@@ -37,7 +37,12 @@ def test_the_routers_own_shapes_are_rebuilt_and_kvfences_kept() -> None:
     rewritten += b' tokens) + max_tokens (400) = 409 exceeds"}}'
     chat = conform(400, rewritten, ("messages", "max_completion_tokens"))
     assert chat is not None and chat["error"]["param"] == "messages"
-    assert chat["error"]["code"] == "decode_bad_request"
+    assert chat["error"]["code"] == "decode_bad_request"  # its words name no worker code
+    whole = rewritten.replace(b"exceeds", b"exceeds this server's limit of 336 tokens per request "
+                              b"(max_req_input_len)")  # fmt: skip
+    assert conform(400, whole, ("messages",))["error"]["code"] == "context_length_exceeded"
+    pool = whole.replace(b'len)"', b'len); its KV pool (336) is smaller than the context (512)"')
+    assert conform(400, pool, ("messages",))["error"]["code"] == "pool_capacity_exceeded"
     kept = b'{"error":{"message":"m","type":"invalid_request_error","param":"top_k","code":null}}'
     assert conform(400, kept, ("top_k",)) is None
     plain = conform(503, b"No available workers", ())

@@ -138,6 +138,15 @@ def test_null_fields_are_served_as_absent_as_at_a_single_server(stack: Fleet, pa
     assert r.status_code == 200, (path, r.text)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_values_the_router_would_refuse_are_sent_as_their_equivalents(
+    stack: Fleet, path: str
+) -> None:
+    """top_p 5e-324 is 0 in the router's f32 and top_k 0 ("off") is refused on its chat."""
+    r = _complete(stack, stack.keys["tenant-a"], {"top_p": 5e-324, "top_k": 0}, path)
+    assert r.status_code == 200, (path, r.text)
+
+
 def test_an_empty_message_the_router_refuses_is_a_400_with_its_code(stack: Fleet) -> None:
     """sglang-router refuses empty message content; the schema lists `messages:empty_content`."""
     empty = {"messages": [{"role": "user", "content": ""}]}

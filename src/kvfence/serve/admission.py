@@ -278,9 +278,12 @@ class Admission:
         default = max(1, min(self.config.default_max_tokens, edge - n))
         max_tokens = asked if asked is not None else default
         if n + max_tokens > edge:
+            why = (
+                f"; its KV pool ({edge}) is smaller than the context ({ctx})" if edge < ctx else ""
+            )
             raise bad_request(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
-                f"this server's limit of {edge} tokens per request (max_req_input_len)",
+                f"this server's limit of {edge} tokens per request (max_req_input_len){why}",
                 param if n >= edge else "max_tokens",
                 limit_name,
             )

@@ -115,7 +115,9 @@ def _neutral() -> dict[str, Schema]:
 # 400s a schema-valid request can get: the limits JSON Schema cannot express (`param:code`).
 BEYOND_SCHEMA: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "completions": ("prompt:context_length_exceeded", "prompt:pool_capacity_exceeded",
-                    "max_tokens:context_length_exceeded", "max_tokens:pool_capacity_exceeded"),
+                    "max_tokens:context_length_exceeded", "max_tokens:pool_capacity_exceeded",
+                    # behind sglang-router, which takes no token ids on this route
+                    "prompt:unsupported_value"),
     "chat": ("messages:context_length_exceeded", "messages:pool_capacity_exceeded",
              "max_tokens:context_length_exceeded", "max_tokens:pool_capacity_exceeded",
              "max_completion_tokens:invalid_value",

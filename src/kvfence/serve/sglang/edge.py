@@ -59,6 +59,7 @@ from kvfence.serve.sglang.router_errors import conform, refusal, unreadable
 from kvfence.serve.tenants import TenantRegistry
 
 DONE_BYTES = DONE.strip().encode()  # b"data: [DONE]"
+FLT_MIN = 1.1754943508222875e-38  # the smallest normal float32
 _RETRY_AFTER = re.compile(r"retry after (\d+) s")
 REFUSAL_BYTES = 65536  # read of a refused stream before its end, at most
 # Response headers that describe the router's connection, not the answer.
@@ -172,15 +173,32 @@ class Edge:
             body = await read_body(request, self.spec.body_limit, self.spec.body_timeout_s)
             obj = load_json(body)
             check(kind, obj)
-            if (kind != "generate" and obj.get("model") is None) or None in obj.values():
+            if (
+                (kind != "generate" and obj.get("model") is None)
+                or None in obj.values()
+                or _f32_underflow(obj.get("top_p"))
+                or _top_k_off(obj.get("top_k"))
+            ):
                 # kvfence reads a null field as absent; the router's types refuse a null
                 # where they want a value (`"echo": null` is a 422, seen live), so nulls are
                 # dropped. A single server takes no model to mean its own; the router
                 # refuses a completion without one (422) and sends a chat on as model
                 # "unknown" (404), so the served model is filled in.
-                sent = {k: v for k, v in obj.items() if v is not None}
+                # top_k 0 is "off" to kvfence (as -1 is); the router's chat refuses 0, and an
+                # absent top_k is off on both.
+                sent = {
+                    k: v
+                    for k, v in obj.items()
+                    if v is not None and not (k == "top_k" and _top_k_off(v))
+                }
                 if kind != "generate":
                     sent.setdefault("model", self.spec.model)
+                if _f32_underflow(sent.get("top_p")):
+                    # The router carries top_p as an f32, where this value is 0, which a
+                    # worker refuses. Every top_p at or below the top token's probability
+                    # (>= 1/vocab) keeps that token alone, so the smallest normal f32 asks
+                    # for exactly the same sampling.
+                    sent["top_p"] = FLT_MIN
                 body = json.dumps(sent).encode()
             upstream = self.client.build_request(
                 "POST", self.spec.router + request.url.path, headers=headers, content=body
@@ -292,6 +310,14 @@ async def _first_event(answer: httpx.Response) -> bytes:
         if b"\n\n" in content or len(content) > REFUSAL_BYTES:
             break
     return content
+
+
+def _top_k_off(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == 0
+
+
+def _f32_underflow(value: object) -> bool:
+    return isinstance(value, float) and 0.0 < value < FLT_MIN
 
 
 def check(kind: Route, obj: Mapping[str, Any]) -> None:

@@ -22,7 +22,15 @@ _JSON_FIELD = re.compile(r'"(\w+)":("(?:[^"\\]|\\.)*"|null)')
 _ROUTER_FIELD = re.compile(r"field `(\w+)`|target type: (\w+): ")
 # The router's own refusals of what a kvfence worker would take, by their words (seen live):
 # their code here is the one the stack's schema lists (openapi.BEYOND_SCHEMA).
-_ROUTER_CODES = (("content cannot be empty", "empty_content"),)
+# A worker's refusal reaches the client with the router's code in place of the worker's
+# (`decode_bad_request`, seen live): the worker's own is read back from its words.
+_ROUTER_CODES = (
+    ("cannot be empty", "empty_content"),  # a message's content, or its list of parts
+    ("maximum context length is", "context_length_exceeded"),
+    ("is smaller than the context", "pool_capacity_exceeded"),  # before the general limit
+    ("tokens per request (max_req_input_len)", "context_length_exceeded"),
+)
+_ROUTER_MADE = re.compile(r"(decode|prefill)_")
 # A worker's messages say `prompt` and `max_tokens`; a chat body names them otherwise.
 _CHAT_WORDS = (("prompt", "messages"), ("max_tokens", "max_completion_tokens"))
 
@@ -59,8 +67,9 @@ def conform(status: int, content: bytes, fields: Sequence[str]) -> dict[str, Any
         text = content.decode("utf-8", "replace")[:300].strip()
         message = text or f"the router answered {status}"
     code = err.get("code")
-    if not isinstance(code, str):
-        code = next((c for words, c in _ROUTER_CODES if words in message), None)
+    kept = code if isinstance(code, str) else None
+    if kept is None or _ROUTER_MADE.match(kept):
+        code = next((c for words, c in _ROUTER_CODES if words in message), kept)
     return {
         "error": {
             "message": message,
