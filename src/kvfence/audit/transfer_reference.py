@@ -226,7 +226,9 @@ class TransferReferenceCheck(Check):
         for i, route in enumerate(takers):
             ctx.progress(f"transfer reference: {route.shown}", i / max(1, len(takers)))
             pair = first if i == 0 else _distinct_pair(probe, giver, last, len(first.pa))
-            if pair is None:
+            if pair is None:  # an unprobed route is never a pass (fail closed)
+                why = f"not probed: {giver.shown} handed out no further reference"
+                probe.outcomes += [Outcome(r.shown, "live", None, "error", why) for r in takers[i:]]
                 break
             out = probe.present(
                 route, "live", pair.pb, pair.ref, {"A": pair.own_a, "B": pair.own_b}
