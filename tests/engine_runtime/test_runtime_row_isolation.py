@@ -179,8 +179,11 @@ def test_sampling_params_refuse_what_the_engine_cannot_run(field: str, value: ob
 
 
 def test_sampling_params_take_their_whole_range() -> None:
-    SamplingParams(top_k=2**31 - 1, seed=2**63 - 1, max_tokens=2**31 - 1, temperature=-0.0)
-    SamplingParams(seed=0, top_k=0, stop_token_ids=(0, 2**63 - 1), logprobs=20, top_p=1.0)
+    """Each bound itself is accepted (the refusals above are not off by one)."""
+    high = SamplingParams(top_k=2**31 - 1, seed=2**63 - 1, max_tokens=2**31 - 1, temperature=-0.0)
+    assert (high.top_k, high.seed, high.max_tokens) == (2**31 - 1, 2**63 - 1, 2**31 - 1)
+    low = SamplingParams(seed=0, top_k=0, stop_token_ids=(0, 2**63 - 1), logprobs=20, top_p=1.0)
+    assert (low.seed, low.top_k, low.stop_token_ids, low.logprobs) == (0, 0, (0, 2**63 - 1), 20)
 
 
 def test_the_http_edge_and_the_engine_bound_sampling_alike() -> None:

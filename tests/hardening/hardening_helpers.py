@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -114,3 +118,34 @@ def error_problem(status: int, body: object) -> str | None:
     if not isinstance(err.get("param"), str):  # "" is a field too: `{"": 1}`
         return f"{status}: field error that names no field: {err}"
     return None
+
+
+@contextmanager
+def hub_cli(
+    args: Sequence[str], tmpdir: Path, start_s: float
+) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """`kvfence serve --disaggregated --router kvfence ARGS` started; yields what it printed up
+    to its `try: curl` line (read for at most `start_s`) and the process; SIGINT on exit."""
+    argv = [sys.executable, "-m", "kvfence", "serve", "--disaggregated", "--router", "kvfence",
+            *args]  # fmt: skip
+    env = {**os.environ, "TMPDIR": str(tmpdir)}
+    proc = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    end = time.monotonic() + start_s
+    while time.monotonic() < end and not (lines and lines[-1].startswith("try: curl")):
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+    try:
+        yield "".join(lines), proc
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()

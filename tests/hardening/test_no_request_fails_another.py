@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from hardening_helpers import hub_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -266,33 +267,12 @@ def hub(checkpoint: Path, tmp_path: Path) -> Iterator[tuple[Server, subprocess.P
     tenants_file = tmp_path / "tenants.json"
     tenants_file.write_text(registry().to_json())
     keys = {t.name: t.keys[0] for t in TenantRegistry.from_file(tenants_file).tenants}
-    argv = [sys.executable, "-m", "kvfence", "serve", "--disaggregated", "--router", "kvfence",
-            "--model", str(checkpoint), "--model-kind", "mirror", "--kv-pages", "1024",
-            "--tenants", str(tenants_file), "--lab-fault", Fault.POISONED_SAMPLING.value]  # fmt: skip
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
-    proc = subprocess.Popen(
-        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    assert proc.stdout is not None
-    lines: list[str] = []
-    end = time.monotonic() + 240
-    while time.monotonic() < end and not (lines and lines[-1].startswith("try: curl")):
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-    text = "".join(lines)
-    try:
+    args = ("--model", str(checkpoint), "--model-kind", "mirror", "--kv-pages", "1024",
+            "--tenants", str(tenants_file), "--lab-fault", Fault.POISONED_SAMPLING.value)  # fmt: skip
+    with hub_cli(args, tmp_path, 240) as (text, proc):
         m = re.search(r"at (http://\S+)", text)
         assert m, f"the hub did not announce its URL within 240 s:\n{text}"
         yield Server(m.group(1), keys, checkpoint.name), proc
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
 
 
 @pytest.mark.slow

@@ -18,10 +18,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +27,7 @@ import httpx
 import pytest
 import requests
 import schemathesis
-from hardening_helpers import Live, error_problem, live_server
+from hardening_helpers import Live, error_problem, hub_cli, live_server
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
@@ -147,8 +143,10 @@ def _attack(
         session.close()
 
 
-def test_generated_requests_get_2xx_or_a_4xx_naming_the_field(server: Live) -> None:
-    baseline = server.settle()
+def attack_all(server: Any) -> Tally:
+    """Every operation, with every credential (both tenants', the operator's, a wrong key and
+    none), schema-valid; with the first tenant's key also schema-violating. `server` has
+    `url`, `auth(tenant)` and `operator_auth()`."""
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json", headers=server.auth())
     tally = Tally()
     credentials = {
@@ -168,6 +166,12 @@ def test_generated_requests_get_2xx_or_a_4xx_naming_the_field(server: Live) -> N
                 where = f"{label}/{mode.value}"
                 _attack(server, schema, tally, method, path, mode, headers, where, authed)
     print(f"generated requests: {tally.requests}; statuses: {dict(sorted(tally.statuses.items()))}")
+    return tally
+
+
+def test_generated_requests_get_2xx_or_a_4xx_naming_the_field(server: Live) -> None:
+    baseline = server.settle()
+    tally = attack_all(server)
     assert tally.requests >= 1000 or PER_CASE < 120, f"only {tally.requests} requests were sent"
     assert not [s for s in tally.statuses if s.startswith("5")], tally.statuses
     assert not tally.problems, "\n".join(tally.problems[:30])
@@ -184,34 +188,13 @@ def test_schemathesis_checks_all_single_process(server: Live, tmp_path: Path) ->
 @pytest.fixture(scope="module")
 def hub(hardening_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`kvfence serve --disaggregated --router kvfence` started; yields 'URL KEY'."""
-    argv = [sys.executable, "-m", "kvfence", "serve", "--disaggregated", "--router", "kvfence",
-            "--model", str(hardening_checkpoint), "--model-kind", "mirror", "--kv-pages", "512",
-            "--port", "0"]  # fmt: skip
-    env = {**os.environ, "TMPDIR": str(tmp_path_factory.mktemp("hub"))}
-    proc = subprocess.Popen(
-        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    assert proc.stdout is not None
-    lines: list[str] = []
-    end = time.monotonic() + HUB_START_S
-    while time.monotonic() < end and not (lines and lines[-1].startswith("try: curl")):
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-    text = "".join(lines)
-    url = m.group(1) if (m := re.search(r"at (http://\S+)", text)) else None
-    key = m.group(1) if (m := re.search(r"key (sk-kvf-\w+)", text)) else None
-    try:
+    args = ("--model", str(hardening_checkpoint), "--model-kind", "mirror", "--kv-pages", "512",
+            "--port", "0")  # fmt: skip
+    with hub_cli(args, tmp_path_factory.mktemp("hub"), HUB_START_S) as (text, _):
+        url = m.group(1) if (m := re.search(r"at (http://\S+)", text)) else None
+        key = m.group(1) if (m := re.search(r"key (sk-kvf-\w+)", text)) else None
         assert url and key, f"the hub did not announce itself in {HUB_START_S:g} s:\n{text}"
         yield f"{url} {key}"
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
 
 
 def test_schemathesis_checks_all_hub(hub: str, tmp_path: Path) -> None:

@@ -15,10 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import schemathesis
-from schemathesis import GenerationMode
 from schemathesis_cli import checks_all
-from test_openapi_fuzz import CLI_EXAMPLES, OPERATIONS, PER_CASE, Tally, _attack
+from test_openapi_fuzz import CLI_EXAMPLES, PER_CASE, attack_all
 
 from kvfence.serve.sglang.stack import Stack, StackSpec
 from kvfence.serve.tenants import TenantRegistry
@@ -82,25 +80,7 @@ def routed(
 def test_generated_requests_through_sglang_router_get_2xx_or_a_4xx_naming_the_field(
     routed: Routed,
 ) -> None:
-    schema = schemathesis.openapi.from_url(routed.url + "/openapi.json", headers=routed.auth())
-    tally = Tally()
-    credentials = {
-        "key": routed.auth(),
-        "other-tenant": routed.auth("b"),
-        "operator": routed.operator_auth(),
-        "wrong-key": {"Authorization": "Bearer sk-not-a-key-of-anyone-here"},
-        "no-key": {},
-    }
-    for method, path in OPERATIONS:
-        for label, headers in credentials.items():
-            modes = [GenerationMode.POSITIVE]
-            if label == "key" and method == "POST":
-                modes.append(GenerationMode.NEGATIVE)
-            for mode in modes:
-                authed = label in ("key", "other-tenant", "operator")
-                where = f"{label}/{mode.value}"
-                _attack(routed, schema, tally, method, path, mode, headers, where, authed)
-    print(f"generated requests: {tally.requests}; statuses: {dict(sorted(tally.statuses.items()))}")
+    tally = attack_all(routed)
     assert tally.requests >= 1000 or PER_CASE < 120, f"only {tally.requests} requests were sent"
     assert not [s for s in tally.statuses if s.startswith("5")], tally.statuses
     assert not tally.problems, "\n".join(tally.problems[:30])
