@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -22,7 +20,9 @@ from kvfence.engine.sizing import (
     capacity_gate,
     pool_from_budget,
 )
+from kvfence.extras import MISSING_EXTRA_EXIT, engine_missing
 from kvfence.kv.geometry import KVGeometry  # torch-free: `kvfence gate` needs no model
+from kvfence.lazy_cli import LazyCommand, LazyGroup
 
 # The built-in tiny geometry (the checkpoint `kvfence make-model` writes).
 TINY_GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=32, page_size=16, dtype="float32")
@@ -82,74 +82,52 @@ def keep_freed_heap() -> bool:
     return mmap_ok and libc.mallopt(_M_TRIM_THRESHOLD, KEEP_FREED_BYTES) == 1
 
 
-@dataclass(frozen=True, slots=True)
-class _Lazy:
-    target: str  # "module:attribute"
-    short_help: str  # shown by `kvfence --help` without importing the module
-
-    def load(self) -> click.Command:
-        quiet_openmp_waits()  # before any command module can load torch (and its libgomp)
-        keep_freed_heap()  # before the command's first large allocation
-        module, _, attr = self.target.partition(":")
-        command = getattr(importlib.import_module(module), attr)
-        assert isinstance(command, click.Command)
-        return command
+def prepare_process() -> None:
+    """Process-wide settings made before any command module is imported."""
+    quiet_openmp_waits()  # before any command module can load torch (and its libgomp)
+    keep_freed_heap()  # before the command's first large allocation
 
 
+def _lazy(target: str, short_help: str) -> LazyCommand:
+    return LazyCommand(target, short_help, prepare=prepare_process)
+
+
+# Commands from other packages are imported only when invoked (serve and the model pull in
+# torch, audit scipy): `kvfence --help` and `kvfence gate` answer without them, and a command
+# whose engine modules this install lacks names the extra that brings them.
 # tests/test_cli_lazy.py checks that each short help is the command's own.
 _LAZY_COMMANDS = MappingProxyType(
     {
-        "serve": _Lazy(
+        "serve": _lazy(
             "kvfence.serve.cli:serve",
             "Serve a model over the OpenAI API, with tenant isolation (exit 1: capacity gate failed).",
         ),
-        "audit": _Lazy(
+        "audit": _lazy(
             "kvfence.audit.cli:audit",
             "Audit engines for cross-tenant leaks: exit 0 pass, 1 fail, 2 inconclusive.",
         ),
-        "lab": _Lazy(
+        "lab": _lazy(
             "kvfence.lab.cli:lab",
             "The incident lab: fault switches that re-create published isolation bugs.",
         ),
-        "watch": _Lazy(
+        "watch": _lazy(
             "kvfence.watch.cli:watch",
             "Guard running engines: re-gate on every capacity change, canaries, prefill floor.",
         ),
     }
 )
 
-
-class _LazyGroup(click.Group):
-    """Commands from other packages are imported only when invoked (serve and the model pull in
-    torch, audit scipy): `kvfence --help` and `kvfence gate` answer without them."""
-
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*super().list_commands(ctx), *_LAZY_COMMANDS})
-
-    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        lazy = _LAZY_COMMANDS.get(cmd_name)
-        return super().get_command(ctx, cmd_name) if lazy is None else lazy.load()
-
-    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        names = self.list_commands(ctx)
-        limit = formatter.width - 6 - max(map(len, names), default=0)
-        rows = []
-        for name in names:
-            lazy = _LAZY_COMMANDS.get(name)
-            if lazy is not None:
-                # Shortened the way click shortens a loaded command's help.
-                stand_in = click.Command(name, help=lazy.short_help)
-                rows.append((name, stand_in.get_short_help_str(limit)))
-                continue
-            command = super().get_command(ctx, name)
-            if command is not None and not command.hidden:
-                rows.append((name, command.get_short_help_str(limit)))
-        if rows:
-            with formatter.section("Commands"):
-                formatter.write_dl(rows)
+# Read from the environment beside the options that show their own variable in --help.
+_ENVIRONMENT = """\b
+Environment:
+  KVFENCE_CACHE     where the demo's checkpoints are made (default ~/.cache/kvfence)
+  KVFENCE_EXT_DIR   where the C++ kernels are built (default <prefix>/share/kvfence)
+  CXX               the compiler that builds them (default g++)
+  OMP_WAIT_POLICY   PASSIVE unless set (or GOMP_SPINCOUNT is)
+"""
 
 
-@click.group(cls=_LazyGroup, invoke_without_command=True)
+@click.group(cls=LazyGroup, lazy=_LAZY_COMMANDS, invoke_without_command=True, epilog=_ENVIRONMENT)
 @click.version_option(__version__, prog_name="kvfence")
 @click.pass_context
 def main(ctx: click.Context) -> None:
@@ -175,6 +153,9 @@ def _demo(ctx: click.Context) -> int:
     passes the latency check decisively. (`kvfence audit`
     itself exits 1 here, honestly: a leak was observed on one of its targets.)
     """
+    if (missing := engine_missing()) is not None:  # the demo's servers are kvfence's engine
+        click.echo(missing.hint("the demo (kvfence with no command)"), err=True)
+        return MISSING_EXTRA_EXIT
     out = Path(tempfile.mkdtemp(prefix="kvfence-demo-"))
     click.echo(
         "\nauditing the embedded default: the workers-ai-2026 lab and the hardened engine ..."

@@ -31,6 +31,7 @@ from kvfence.audit.runbook import ALL_CHECKS, EMBEDDED_CHECKS, AuditRun, run_aud
 from kvfence.audit.target_names import TargetSpec, TargetSpecError, named_targets
 from kvfence.audit.targets.registry import ENGINE_CHOICES
 from kvfence.audit.tenant_keys import second_key_missing
+from kvfence.extras import MISSING_EXTRA_EXIT, engine_missing
 
 # "module:function" of the embedded-default runner:
 #   (checks, headroom, seed, progress, budget, on_result, alpha) -> AuditRun
@@ -85,11 +86,24 @@ class _AuditGroup(click.Group):
     help="engine base URL, optionally named for the reports (repeat for several engines)",
 )
 @click.option("--engine", type=click.Choice(ENGINE_CHOICES), default="auto", show_default=True)
-@click.option("--key-a", envvar="KVFENCE_AUDIT_KEY_A", default=None, help="tenant A's API key")
-@click.option("--key-b", envvar="KVFENCE_AUDIT_KEY_B", default=None, help="tenant B's API key")
+@click.option(
+    "--key-a",
+    envvar="KVFENCE_AUDIT_KEY_A",
+    show_envvar=True,
+    default=None,
+    help="tenant A's API key",
+)
+@click.option(
+    "--key-b",
+    envvar="KVFENCE_AUDIT_KEY_B",
+    show_envvar=True,
+    default=None,
+    help="tenant B's API key",
+)
 @click.option(
     "--operator-key",
     envvar="KVFENCE_AUDIT_OPERATOR_KEY",
+    show_envvar=True,
     default=None,
     help="reads /metrics and /server_info (operator data on kvfence)",
 )
@@ -211,6 +225,10 @@ def _on_embedded(
     alpha: float,
 ) -> AuditBody:
     """The embedded default (no --target): a kvfence server this command starts itself."""
+    if (missing := engine_missing()) is not None:  # the embedded servers run kvfence's engine
+        console.print(missing.hint("kvfence audit without --target (the embedded demo)"))
+        console.print("audit your own engine instead: kvfence audit --target URL", highlight=False)
+        sys.exit(MISSING_EXTRA_EXIT)
     runner = _embedded_runner()
     if runner is None:
         console.print(

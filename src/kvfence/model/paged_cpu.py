@@ -12,67 +12,25 @@ has verified every page table against the ledger (I1), and read nothing the
 table does not name.
 
 `make install` builds it (`python -m kvfence.model.paged_cpu build`), with
-the few-token linear kernel (`model.linear_cpu`), into one library in
-`$KVFENCE_EXT_DIR` (default: `<venv>/share/kvfence`), named by a hash of the
-sources and flags so a stale build is never loaded. Without a C++ compiler the
-engine uses the gather path (`CPUAttention` falls back and says so in the log).
+the few-token linear kernel (`model.linear_cpu`), into one library; an install
+without `make` builds it on first use (`model.kernel_build` says where and how).
+Without a C++ compiler the engine uses the gather path (`CPUAttention` falls
+back and says so in the log, naming what to install).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
+from kvfence.model.kernel_build import KernelBuildError, build
+from kvfence.model.kernel_build import library_path as library_path  # the tests' check
+
 log = logging.getLogger(__name__)
-
-CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(
-    CSRC / n
-    for n in (
-        "paged_decode.cpp",
-        "paged_prefill.cpp",
-        "small_linear.cpp",
-        "spin_pool.cpp",
-        "rows.cpp",
-        "decode_layers.cpp",
-        "step_checks.cpp",
-    )
-)
-HEADERS = (CSRC / "spin_pool.h", CSRC / "vec.h")
-# OpenMP only for `omp simd`: the kernels' threads are spin_pool's, not libgomp's.
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-pthread", "-shared", "-fPIC", "-std=c++17")
-
-
-def library_path() -> Path:
-    """Where the built library for these sources and these flags lives."""
-    root = Path(os.environ.get("KVFENCE_EXT_DIR", Path(sys.prefix) / "share" / "kvfence"))
-    text = b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join(FLAGS).encode()
-    digest = hashlib.sha256(text).hexdigest()[:12]
-    return root / f"kvfence_paged_{digest}.so"
-
-
-def build() -> Path:
-    """Compile the kernel (a second or two); raises RuntimeError naming what is missing."""
-    out = library_path()
-    if out.exists():
-        return out
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        raise RuntimeError("no C++ compiler (g++) found: install g++ to build the paged kernel")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", str(tmp)], check=True)
-    tmp.replace(out)  # atomic: a concurrent loader sees the old state or the whole library
-    return out
 
 
 class PagedDecodeKernel:
@@ -176,10 +134,11 @@ class PagedPrefillKernel:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The built library, or None (logged once) when it was not built for these sources."""
-    path = library_path()
-    if not path.exists():
-        log.warning("C++ kernels not built (%s); using the gather path and torch's linear", path)
+    """The library for these sources, built on first use; None (logged once) if it cannot be."""
+    try:
+        path = build()  # a no-op where `make install` or an earlier start built it
+    except KernelBuildError as e:
+        log.warning("C++ kernels not built (%s); using the gather path and torch's linear", e)
         return None
     return ctypes.CDLL(str(path))
 
@@ -199,4 +158,7 @@ def load_prefill() -> PagedPrefillKernel | None:
 if __name__ == "__main__":
     if sys.argv[1:] != ["build"]:
         sys.exit("usage: python -m kvfence.model.paged_cpu build")
-    print(f"paged decode kernel: {build()}")
+    try:
+        print(f"paged decode kernel: {build()}")
+    except KernelBuildError as e:
+        sys.exit(f"paged decode kernel not built: {e}")

@@ -57,9 +57,21 @@ def parse_listen(addr: str) -> tuple[str, int]:
 @click.command("watch")
 @click.option("--target", "targets", multiple=True, required=True, help="engine base URL (repeat)")
 @click.option("--engine", type=click.Choice(ENGINE_CHOICES), default="auto", show_default=True)
-@click.option("--key-a", envvar="KVFENCE_AUDIT_KEY_A", default=None, help="tenant A's API key")
-@click.option("--key-b", envvar="KVFENCE_AUDIT_KEY_B", default=None, help="tenant B's API key")
-@click.option("--operator-key", envvar="KVFENCE_AUDIT_OPERATOR_KEY", default=None)
+@click.option(
+    "--key-a",
+    envvar="KVFENCE_AUDIT_KEY_A",
+    show_envvar=True,
+    default=None,
+    help="tenant A's API key",
+)
+@click.option(
+    "--key-b",
+    envvar="KVFENCE_AUDIT_KEY_B",
+    show_envvar=True,
+    default=None,
+    help="tenant B's API key",
+)
+@click.option("--operator-key", envvar="KVFENCE_AUDIT_OPERATOR_KEY", show_envvar=True, default=None)
 @click.option(
     "--interval", type=click.FloatRange(0.1), default=_DEFAULTS.interval_s, show_default=True
 )
