@@ -10,7 +10,11 @@ against the worker: 28 of them opened every circuit and every tenant got 503
 "all circuits open" for the breaker's 60 s. The stack keeps the breaker shut
 (`ROUTER_FAILURE_ARGS`), so "quiet" is served during and after the flood;
 with the router's defaults put back the same flood leaves "quiet" with 503s:
-`test_with_the_routers_default_breaker_the_flood_takes_the_fleet_down`.
+`test_with_the_routers_default_breaker_the_flood_takes_the_fleet_down`. Those two
+give "flood" no concurrency bound and no refusal bucket, so every request reaches
+the workers and they do the refusing; with its default limits the stack's edge
+refuses most of the flood itself, before the router:
+`test_the_edge_holds_a_tenants_limits_before_the_router`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import pytest
 
 from kvfence.lab.profiles import Scale
 from kvfence.model.tiny import make_tiny_checkpoint
+from kvfence.serve.limits import TenantLimits
 from kvfence.serve.sglang.stack import Stack, StackSpec
 from kvfence.serve.tenants import Tenant, TenantRegistry
 
@@ -37,6 +42,8 @@ FLOOD_ROUNDS = 2
 PROMPT = "hello " * 100  # 300 tokens: near the per-request limit (336)
 # sglang-router's own defaults (0.3.2), given after the stack's: argparse takes the last.
 ROUTER_DEFAULTS = ("--cb-failure-threshold", "10", "--retry-max-retries", "5")
+# Only the prompt-token bound, which the workers keep: the edge passes every request on.
+WORKERS_REFUSE = TenantLimits(max_concurrent=None, refusal_burst=None)
 
 
 @dataclass
@@ -58,6 +65,20 @@ class Seen:
 class Fleet:
     url: str
     keys: dict[str, str]
+    stack: Stack
+
+    def refused_at_workers(self, tenant: str) -> int:
+        """The tenant's refusals counted by the workers' own limits, summed over them."""
+        total = 0
+        for worker in self.stack.workers:
+            info = httpx.get(
+                f"{self.stack.router_url_of(worker)}/server_info",
+                headers={"Authorization": f"Bearer {self.keys[tenant]}"},
+                timeout=30,
+            )
+            info.raise_for_status()
+            total += int(info.json()["admission"]["refused"])
+        return total
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +87,14 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @contextmanager
-def _stack(checkpoint: Path, tmp: Path, router_args: tuple[str, ...]) -> Iterator[Fleet]:
+def _stack(
+    checkpoint: Path,
+    tmp: Path,
+    router_args: tuple[str, ...],
+    flood_limits: TenantLimits = WORKERS_REFUSE,
+) -> Iterator[Fleet]:
     key = lambda: f"sk-kvf-{secrets.token_hex(16)}"  # noqa: E731
-    tenants = TenantRegistry((Tenant("flood", (key(),)), Tenant("quiet", (key(),))))
+    tenants = TenantRegistry((Tenant("flood", (key(),), flood_limits), Tenant("quiet", (key(),))))
     (tmp / "tenants.json").write_text(tenants.to_json())
     args = [
         "--model", str(checkpoint), "--model-kind", "mirror",
@@ -79,7 +105,7 @@ def _stack(checkpoint: Path, tmp: Path, router_args: tuple[str, ...]) -> Iterato
     ]  # fmt: skip
     spec = StackSpec(tuple(args), tmp / "tenants.json", router_args=router_args)
     with Stack(spec, workdir=tmp) as stack:
-        yield Fleet(stack.url, {t.name: t.keys[0] for t in tenants.tenants})
+        yield Fleet(stack.url, {t.name: t.keys[0] for t in tenants.tenants}, stack)
 
 
 def _post(fleet: Fleet, tenant: str) -> httpx.Response:
@@ -146,3 +172,19 @@ def test_with_the_routers_default_breaker_the_flood_takes_the_fleet_down(
         # (The flood itself sees 503s too: the router retried its refusals until they were.)
         assert seen.statuses["quiet-after", 503] > 0, dict(seen.statuses)
         assert "all circuits open" in seen.bodies["quiet-after", 503]
+
+
+def test_the_edge_holds_a_tenants_limits_before_the_router(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """With the default limits, most of the flood is refused at the edge: 429s that no
+    worker counted (without the edge's limits every 429 is some worker's refusal)."""
+    # No prompt-token bound: a worker refuses only over the in-flight bound, which the
+    # edge's count (the whole of each request's life) reaches first.
+    with _stack(checkpoint, tmp_path, (), TenantLimits(max_queued_tokens=None)) as fleet:
+        seen = _flood_then_quiet(fleet)
+        refused = seen.statuses["flood", 429]
+        assert refused == seen.retry_after["flood", 429] > 0, seen.bodies
+        at_workers = fleet.refused_at_workers("flood")  # each refused there counts 1 or 2
+        assert at_workers < refused / 2, (at_workers, refused, seen.bodies)
+        assert seen.statuses["quiet-after", 200] == 3, dict(seen.statuses)

@@ -252,10 +252,12 @@ class AdmissionLimits:
         Only `COSTLY_REFUSALS` count (the limits' own 429s that cost work are counted by
         `acquire`), and never a request no tenant sent (401: no one to count it against).
         """
-        if tenant is None or error.code not in COSTLY_REFUSALS:
-            return
-        lim = self.of(tenant)
-        self._draw(lim, self.usage.setdefault(tenant, Usage()))
+        if tenant is not None and error.code in COSTLY_REFUSALS:
+            self.charge(tenant)
+
+    def charge(self, tenant: str) -> None:
+        """One refused request of this tenant that cost work draws on its bucket."""
+        self._draw(self.of(tenant), self.usage.setdefault(tenant, Usage()))
 
     def _draw(self, lim: TenantLimits, use: Usage) -> None:
         if not isinstance(lim.refusal_burst, int):

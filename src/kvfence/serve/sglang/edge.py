@@ -26,6 +26,15 @@ this edge on the public address. Invariants:
   closes) gets an error event first, as kvfence's own routers send.
 - No answer carries the router credential: a body that contains it is withheld and replaced
   by an error.
+- Each tenant's admission limits (limits.py) hold here for the whole stack, before anything is
+  read: at its `max_concurrent` requests in flight, or with its refusal bucket empty, a
+  tenant's next request is a 429 with `Retry-After` before its body is read. A refused request
+  costs the router and both workers their HTTP handling and the prefill worker its
+  tokenizing even when the worker refuses it at once, so without this a flood of requests the
+  workers refuse slows every other tenant's requests through the same processes. The bucket
+  draws on every refusal that cost work, here (a body too large or too slow) or behind the
+  router (over the context or the pool, or over a worker's limits). The prompt-token bound
+  needs tokens: the workers keep it.
 
 The routes the router does not serve (`/tokenize`, `/detokenize`, `/openapi.json`,
 `/v1/models`, `/server_info`, `/metrics`) are a kvfence worker's own, answered by the first
@@ -39,19 +48,27 @@ import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import anyio
 import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvfence.serve import protocol
 from kvfence.serve.body import read_body
 from kvfence.serve.errors import INTERNAL_ERROR, ApiError, bad_request
 from kvfence.serve.fields import load_json
-from kvfence.serve.limits import LIMIT_CODE, OVER_LIMIT, REFUSED_TOO_OFTEN
+from kvfence.serve.limits import (
+    COSTLY_REFUSALS,
+    LIMIT_CODE,
+    OVER_LIMIT,
+    REFUSED_TOO_OFTEN,
+    AdmissionLimits,
+    Slot,
+    default_limits,
+)
 from kvfence.serve.responses import DONE, sse
 from kvfence.serve.sglang.fields import split_router_fields
 from kvfence.serve.sglang.generate import completion_body
@@ -91,11 +108,21 @@ class EdgeSpec:
     secret: str  # the router credential: no answer may carry it
     model: str  # the served model's name: the `model` of a body that names none
     body_limit: int  # bytes (413 above), as a worker's own limit
+    pool_tokens: int  # every prefill worker's pool, in tokens: the default limits' base
+    longest: int  # the longest request a worker admits (prompt + max_tokens), in tokens
     body_timeout_s: float = 60.0
+
+    @property
+    def max_total_num_tokens(self) -> int:  # `limits.PoolFacts`
+        return self.pool_tokens
+
+    @property
+    def edge_limit(self) -> int:  # `limits.PoolFacts`
+        return self.longest
 
 
 Route = Literal["completion", "chat", "generate"]
-Handler = Callable[[Request], Awaitable[Response]]
+Handler = Callable[[Request], Awaitable[ASGIApp]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +138,7 @@ class Edge:
         self.spec = spec
         self.tenants = tenants
         self.secret = spec.secret.encode()
+        self.limits = AdmissionLimits(tenants.limits(), default_limits(spec))
         self._client: httpx.AsyncClient | None = None
         self.routes: dict[str, EdgeRoute] = {
             "/v1/completions": EdgeRoute(("POST",), self._generation("completion")),
@@ -168,8 +196,22 @@ class Edge:
     # ---- routes ----------------------------------------------------------------------
 
     def _generation(self, kind: Route) -> Handler:
-        async def handle(request: Request) -> Response:
-            headers = {**self._tenant(request), "content-type": "application/json"}
+        async def handle(request: Request) -> ASGIApp:
+            tenant, headers = self._tenant(request)
+            slot = self.limits.acquire(tenant, 0)  # 429 before the body is read
+            try:
+                response = await generate(request, tenant, headers)
+            except ApiError as e:
+                slot.release()
+                self._charge(tenant, e.code)
+                raise
+            except BaseException:
+                slot.release()
+                raise
+            return Counted(response, slot)
+
+        async def generate(request: Request, tenant: str, auth: dict[str, str]) -> Response:
+            headers = {**auth, "content-type": "application/json"}
             body = await read_body(request, self.spec.body_limit, self.spec.body_timeout_s)
             obj = load_json(body)
             check(kind, obj)
@@ -203,7 +245,7 @@ class Edge:
             upstream = self.client.build_request(
                 "POST", self.spec.router + request.url.path, headers=headers, content=body
             )
-            return await self._forward(upstream, tuple(obj))
+            return await self._forward(upstream, tuple(obj), tenant)
 
         return handle
 
@@ -234,19 +276,31 @@ class Edge:
 
     # ---- forwarding --------------------------------------------------------------------
 
-    def _tenant(self, request: Request) -> dict[str, str]:
-        """The header that names the tenant, to forward (the workers authenticate it again)."""
+    def _tenant(self, request: Request) -> tuple[str, dict[str, str]]:
+        """The tenant, and the header that names it to forward (the workers authenticate it
+        again)."""
         authorization = request.headers.get("authorization")
-        if self.tenants.authenticate(authorization) is None:
+        tenant = self.tenants.authenticate(authorization)
+        if tenant is None:
             raise ApiError(
                 401,
                 "missing or invalid API key; send `Authorization: Bearer <key>`",
                 code="invalid_api_key",
             )
-        return {"authorization": authorization} if authorization is not None else {}
+        return tenant, {"authorization": authorization} if authorization is not None else {}
 
-    async def _forward(self, upstream: httpx.Request, fields: Sequence[str] = ()) -> Response:
-        """The router's answer; `fields` (the body's) are what a rebuilt error may name."""
+    def _charge(self, tenant: str, code: str | None) -> None:
+        """A refusal that cost the stack work draws on the tenant's refusal bucket: one of
+        the costly kinds, or a worker's limit refusal (it crossed the router and both workers
+        before it was refused)."""
+        if code in COSTLY_REFUSALS or code == LIMIT_CODE:
+            self.limits.charge(tenant)
+
+    async def _forward(
+        self, upstream: httpx.Request, fields: Sequence[str] = (), tenant: str | None = None
+    ) -> Response:
+        """The router's answer; `fields` (the body's) are what a rebuilt error may name;
+        `tenant`'s refusals that cost work are charged to it."""
         try:
             answer = await self.client.send(upstream, stream=True)
         except httpx.HTTPError:
@@ -270,13 +324,16 @@ class Edge:
         if self.secret in content:
             return _error(WITHHELD)
         status = answer.status_code
-        if stream:  # a refusal: the client gets it as JSON, whatever it asked to stream
-            return _refused(refusal(content), status)
-        if status == 422:  # the router's own reader refused the body (plain text)
+        if status == 422 and not stream:  # the router's own reader refused the body (text)
             return _error(unreadable(content))
-        if status >= 400:
-            envelope = conform(status, content, fields)
-            return _refused(envelope or json.loads(content), status)
+        if stream or status >= 400:
+            # a refusal: the client gets it as JSON, whatever it asked to stream
+            envelope = refusal(content) if stream else conform(status, content, fields)
+            envelope = envelope or json.loads(content)
+            response = _refused(envelope, status)  # may restore the code of a limit's refusal
+            if tenant is not None:
+                self._charge(tenant, _code(envelope))
+            return response
         if content.startswith(b"{") and not headers.get("content-type", "").endswith("json"):
             # It sends a completion with logprobs as application/octet-stream (seen live).
             headers["content-type"] = "application/json"
@@ -300,6 +357,26 @@ class Edge:
                 await answer.aclose()
         yield sse(STREAM_CUT.body()).encode()
         yield DONE.encode()
+
+
+class Counted:
+    """An answer that gives its tenant's in-flight slot back once it was sent, or the client
+    left: a stream holds its slot until its last event."""
+
+    def __init__(self, response: Response, slot: Slot) -> None:
+        self.response = response
+        self.slot = slot
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            self.slot.release()
+
+
+def _code(envelope: Mapping[str, Any]) -> str | None:
+    err = envelope.get("error")
+    return cast(str | None, err.get("code")) if isinstance(err, dict) else None
 
 
 async def _first_event(answer: httpx.Response) -> bytes:

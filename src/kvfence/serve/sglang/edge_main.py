@@ -28,6 +28,8 @@ class EdgeArgs:
     tenants_file: str
     secret_file: str
     body_limit: int
+    pool_tokens: int  # every prefill worker's pool, in tokens
+    longest: int  # the longest request a worker admits
     log_level: str = "warning"
 
     def to_json(self) -> str:
@@ -59,6 +61,8 @@ def main(argv: list[str]) -> int:
         secret=Path(args.secret_file).read_text().strip(),
         model=args.model,
         body_limit=args.body_limit,
+        pool_tokens=args.pool_tokens,
+        longest=args.longest,
     )
     app = Edge(spec, TenantRegistry.from_file(args.tenants_file))
     sock = bind(args.host, args.port)

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 from kvfence.serve.admission import BODY_FLOOR
 from kvfence.serve.sglang.edge_main import ANNOUNCE as EDGE_ANNOUNCE
@@ -187,8 +187,13 @@ class Stack:
     def _edge_args(self, secret_file: Path) -> EdgeArgs:
         import httpx
 
+        def facts_of(worker: Worker) -> dict[str, Any]:
+            url = f"{self.router_url_of(worker)}/server_info"
+            return cast(dict[str, Any], httpx.get(url, timeout=30).json())
+
         decode = next(w for w in self.workers if w.role == "decode")
-        facts = httpx.get(f"{self.router_url_of(decode)}/server_info", timeout=30).json()
+        facts = facts_of(decode)
+        prefill = [facts_of(w) for w in self.workers if w.role == "prefill"]
         return EdgeArgs(
             host=self.spec.host,
             port=self.spec.port,
@@ -200,6 +205,9 @@ class Stack:
             secret_file=str(secret_file),
             # a worker's own body limit (Admission.body_limit): the edge refuses no body it takes
             body_limit=BODY_FLOOR + 32 * int(facts["context_length"]),
+            # the tenants' default limits for the whole stack, from every prefill pool
+            pool_tokens=sum(int(f["max_total_num_tokens"]) for f in prefill),
+            longest=min(int(f["max_req_input_len"]) for f in prefill),
         )
 
     def _edge_announced(self, deadline: float) -> str:
