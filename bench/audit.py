@@ -261,7 +261,6 @@ def prefix_vllm(seed: int) -> None:
             max_model_len=2048,
             enable_prompt_tokens_details=True,
             enforce_eager=True,
-            ready_timeout=840.0,
             log_dir=Path(tmp) / "log",
             cache=cache,
         ) as server:

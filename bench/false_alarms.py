@@ -54,7 +54,7 @@ def start_kvfence(tmp: Path) -> PeerServer:
     tenants.write_text(json.dumps({"tenants": entries, "operator_keys": [OPERATOR]}))
     port = free_port()
     cmd = [KVFENCE, "serve", "--port", str(port), "--tenants", str(tenants), *HARDENED]
-    return launch_server("kvfence", cmd, dict(os.environ), port, "demo", "/health", tmp, 600.0)
+    return launch_server("kvfence", cmd, dict(os.environ), port, "demo", "/health", tmp)
 
 
 def kvfence_audit(url: str, seed: int, out: Path) -> tuple[list[dict], int, float]:
@@ -138,7 +138,7 @@ def main() -> None:
 
             tally = tallies["vLLM salted (prefix sharing, salted run)"] = defaultdict(list)
             ckpt = make_tiny_checkpoint(tmp / "tiny", seed=0)
-            with start_vllm(ckpt, enforce_eager=True, ready_timeout=900.0, log_dir=tmp) as vllm:
+            with start_vllm(ckpt, enforce_eager=True, log_dir=tmp) as vllm:
                 for seed in range(args.repeats):
                     record(tally, "vLLM salted", seed, *vllm_salted(vllm.url, seed))
         for name, tally in tallies.items():

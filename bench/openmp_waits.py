@@ -91,7 +91,7 @@ def measure(setting: str, model_dir: Path, log_dir: Path, seed: int) -> tuple[fl
     cmd += ["--no-auth", "--port", str(port), "--kv-bytes", str(1 << 30)]
     cmd += ["--context-length", "4096"]
     env = {k: v for k, v in os.environ.items() if k not in WAIT_KEYS} | SETTINGS[setting]
-    server = launch_server("kvfence", cmd, env, port, model_dir.name, "/health", log_dir, 300.0)
+    server = launch_server("kvfence", cmd, env, port, model_dir.name, "/health", log_dir)
     rng = random.Random(seed)
     short = [rng.randrange(100, 40000) for _ in range(64)]
     longs = [[rng.randrange(100, 40000) for _ in range(256)] for _ in range(2)]

@@ -24,6 +24,9 @@ converted from it), one server at a time:
             printed); requests carry a tenant key (the workers authenticate every request, I10).
             `kvfence-pd-noedge` (not in the default list): the same stack with the router itself
             on the public address, without kvfence's edge in front: the edge's cost, same run
+  vllm-pd   vLLM's own disaggregated fleet (bench/peers/pd_fleet.py): a prefill and a decode
+            vLLM CPU server (float32, NixlConnector over DRAM, each pinned to one core) behind
+            vllm-router, 1 GiB of KV blocks each; prompts as text, as for kvfence-pd
 
 Output tokens are counted from each stream's `usage`; TTFT is the time to the first
 event that carries a choice. Requests ask for `logprobs: 1` (all engines alike): random
@@ -78,11 +81,20 @@ from bench.peers import (  # noqa: E402
 from kvfence.model.tiny import PRESETS, default_checkpoint_dir  # noqa: E402
 from kvfence.model.tokenizer import Tokenizer  # noqa: E402
 
-ENGINES = ("kvfence", "kvfence-noledger", "kvfence-pd", "kvfence-pd-mooncake", "vllm", "llamacpp")
+ENGINES = (
+    "kvfence",
+    "kvfence-noledger",
+    "kvfence-pd",
+    "kvfence-pd-mooncake",
+    "vllm",
+    "vllm-pd",
+    "llamacpp",
+)
 EXTRA_ENGINES = ("kvfence-fcfs", "kvfence-pd-noedge")
 PD_TRANSPORTS = {"kvfence-pd": "tcp", "kvfence-pd-mooncake": "mooncake", "kvfence-pd-noedge": "tcp"}
 KV_BYTES = 1 << 30  # every engine gets 1 GiB of KV (vLLM's VLLM_CPU_KVCACHE_SPACE=1)
 CONTEXT = 2048
+VLLM_BLOCK = 128  # vLLM CPU's KV block, in tokens
 LLAMA_SLOTS = 16
 LLAMA_CTX = 16384
 # Prompt ids avoid the special tokens at the start of the vocabulary and stay inside the
@@ -382,9 +394,7 @@ def start_kvfence(model_dir: Path, log_dir: Path, *extra: str) -> PeerServer:
         str(CONTEXT),
         *extra,
     ]
-    return launch_server(
-        "kvfence", cmd, dict(os.environ), port, model_dir.name, "/health", log_dir, 300.0
-    )
+    return launch_server("kvfence", cmd, dict(os.environ), port, model_dir.name, "/health", log_dir)
 
 
 @contextmanager
@@ -413,6 +423,30 @@ def pd_stack(
         yield Serving(stack.url, router.pid, model_dir.name, ready, argv, key, tok)
 
 
+def vllm_blocks(model_dir: Path) -> int:
+    """vLLM KV blocks (128 tokens, float32) in KV_BYTES for this checkpoint, plus its null
+    block."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4
+    return KV_BYTES // (VLLM_BLOCK * per_token) + 1
+
+
+@contextmanager
+def vllm_pd(model_dir: Path, log_dir: Path) -> Iterator[Serving]:
+    from bench.peers.pd_fleet import start_vllm_pd
+
+    fleet = start_vllm_pd(
+        model_dir, blocks=vllm_blocks(model_dir), max_model_len=CONTEXT, log_dir=log_dir
+    )
+    with fleet:
+        ready = max(s.ready_s or 0.0 for s in fleet.servers)
+        argv = [f"vllm-router PD + vLLM prefill/decode (NIXL), logs {log_dir}"]
+        tok = Tokenizer.from_dir(model_dir)
+        yield Serving(fleet.url, fleet.router.pid, fleet.model, ready, argv, None, tok)
+
+
 @contextmanager
 def engine_server(
     engine: str, model_dir: Path, log_dir: Path, kvfence_args: tuple[str, ...] = ()
@@ -421,6 +455,11 @@ def engine_server(
         log_dir.mkdir(parents=True, exist_ok=True)
         edge = engine != "kvfence-pd-noedge"
         with pd_stack(PD_TRANSPORTS[engine], model_dir, log_dir, edge) as serving:
+            yield serving
+        return
+    if engine == "vllm-pd":
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with vllm_pd(model_dir, log_dir) as serving:
             yield serving
         return
     if engine == "kvfence":
@@ -449,6 +488,8 @@ def engine_server(
 def installed(engine: str, cache: PeerCache) -> bool:
     if engine == "vllm":
         return cache.vllm_installed()
+    if engine == "vllm-pd":
+        return cache.vllm_installed() and cache.nixl_installed()
     if engine == "llamacpp":
         return cache.llamacpp_installed()
     if engine == "kvfence-pd-mooncake":
@@ -550,6 +591,9 @@ def main() -> None:
         if kv is not None:
             parts.append(f"kvfence/vllm={ratio(kv, figures.get('vllm'))}")
             parts.append(f"kvfence/llamacpp={ratio(kv, figures.get('llamacpp'))}")
+            for pd in PD_TRANSPORTS:
+                if pd in figures and "vllm-pd" in figures:
+                    parts.append(f"{pd}/vllm-pd={ratio(figures[pd], figures['vllm-pd'])}")
             parts.append(f"isolation_cost=1-{ratio(kv, figures.get('kvfence-noledger'))}")
             if "kvfence-fcfs" in figures:
                 parts.append(f"kvfence/kvfence-fcfs={ratio(kv, figures['kvfence-fcfs'])}")

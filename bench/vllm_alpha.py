@@ -118,7 +118,6 @@ def main() -> None:
             ckpt,
             enable_prompt_tokens_details=args.details,
             enforce_eager=True,
-            ready_timeout=900.0,
             log_dir=tmp,
         ) as vllm:
             print(f"vLLM ready in {vllm.ready_s:.1f} s at {vllm.url}", flush=True)

@@ -147,9 +147,7 @@ def start_target(preset: str, tmp: Path, context: int) -> PeerServer:
     cmd = [str(Path(sys.executable).parent / "kvfence"), "serve", "--model", str(model_dir)]
     cmd += ["--model-kind", "llama", "--tenants", str(tenants), "--port", str(port)]
     cmd += ["--context-length", str(context)]
-    return launch_server(
-        "kvfence", cmd, dict(os.environ), port, model_dir.name, "/health", tmp, 300.0
-    )
+    return launch_server("kvfence", cmd, dict(os.environ), port, model_dir.name, "/health", tmp)
 
 
 def start_watcher(url: str, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:

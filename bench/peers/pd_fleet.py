@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from kvfence.startup_wait import StartupBounds
+
 from .cache import PeerCache
 from .server import PeerServer, PeerStartError, free_port, launch_server, start_vllm
 
@@ -114,14 +116,15 @@ def start_vllm_pd(
     served_model_name: str | None = None,
     blocks: int = PD_BLOCKS,
     max_model_len: int = PD_MAX_MODEL_LEN,
-    ready_timeout: float = 840.0,
+    startup: StartupBounds | None = None,
     log_dir: Path | None = None,
     cache: PeerCache | None = None,
 ) -> VllmPdFleet:
     """Start prefill and decode together (each waits on its own /v1/models), then vllm-router.
 
-    `ready_timeout` bounds each server's start-up; a server that exits or does not answer in
-    time raises PeerStartError with its command and the tail of its log.
+    Each wait follows its server (`startup` bounds how long it may go without progress, and
+    in all); a server that exits, stalls or outlasts the cap raises PeerStartError with its
+    command, the load average and the tail of its log.
     """
     cache = cache or PeerCache.from_env()
     cache.require("vllm")
@@ -140,13 +143,13 @@ def start_vllm_pd(
     }
     try:
         for server in started.values():
-            server.ready_s = server.wait_ready(ready_timeout)
+            server.ready_s = server.wait_ready(startup)
     except BaseException:
         for server in started.values():
             server.stop(grace=5.0)
         raise
     try:
-        router = _start_router(started["prefill"], started["decode"], served, logs, ready_timeout)
+        router = _start_router(started["prefill"], started["decode"], served, logs, startup)
     except BaseException:
         for server in started.values():
             server.stop(grace=5.0)
@@ -155,7 +158,11 @@ def start_vllm_pd(
 
 
 def _start_router(
-    prefill: PeerServer, decode: PeerServer, served: str, log_dir: Path, ready_timeout: float
+    prefill: PeerServer,
+    decode: PeerServer,
+    served: str,
+    log_dir: Path,
+    startup: StartupBounds | None,
 ) -> PeerServer:
     """vllm-router (the Rust router from PyPI, in this project's own venv) in P/D mode over NIXL."""
     port = free_port()
@@ -182,6 +189,4 @@ def _start_router(
         "round_robin",
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
-    return launch_server(
-        "vllm-router", cmd, env, port, served, "/health", log_dir, min(ready_timeout, 120.0)
-    )
+    return launch_server("vllm-router", cmd, env, port, served, "/health", log_dir, startup)

@@ -21,6 +21,7 @@ from pathlib import Path
 from types import TracebackType
 
 from kvfence.serve.supervisor import free_port as free_port  # drawn below the ephemeral range
+from kvfence.startup_wait import Probe, StartupBounds, StartupFailed, wait_started
 
 from .cache import PeerCache
 from .gguf import convert_to_gguf
@@ -35,7 +36,8 @@ _LLAMA_SLOTS_RE = re.compile(
 
 
 class PeerStartError(RuntimeError):
-    """The peer exited or did not become ready in time; the message carries its log tail."""
+    """The peer exited, stalled or outlasted the cap before it was ready; the message says
+    which, with the load average and the log's end."""
 
 
 def vllm_pool_tokens(log: str) -> int | None:
@@ -127,25 +129,24 @@ class PeerServer:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def wait_ready(self, timeout: float) -> float:
-        """Poll `ready_path` until 200; return the seconds since start. Raise PeerStartError."""
-        start = time.monotonic()
-        deadline = start + timeout
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise PeerStartError(
-                    f"{self.name} exited with {self.process.returncode} before it was ready.\n"
-                    f"command: {' '.join(self.cmd)}\nlog {self.log_path}:\n{self.log_tail()}"
-                )
+    def wait_ready(self, bounds: StartupBounds | None = None) -> float:
+        """Poll `ready_path` until 200 while the peer makes progress; return the seconds waited.
+
+        Raise PeerStartError (with the command and the log's end) when the peer exits,
+        stalls or outlasts the cap (kvfence.startup_wait).
+        """
+
+        def probe() -> Probe:
             with contextlib.suppress(OSError):
                 status, _ = http_get(self.url + self.ready_path, timeout=2.0)
-                if status == 200:
-                    return time.monotonic() - start
-            time.sleep(0.25)
-        raise PeerStartError(
-            f"{self.name} was not ready after {timeout:.0f} s.\n"
-            f"command: {' '.join(self.cmd)}\nlog {self.log_path}:\n{self.log_tail()}"
-        )
+                return Probe(status == 200, f"HTTP {status}")
+            return Probe(False, "not listening")
+
+        what = f"{self.name} at {self.url}{self.ready_path}"
+        try:
+            return wait_started(what, self.process, self.log_path, probe, bounds)
+        except StartupFailed as err:
+            raise PeerStartError(f"{err}\ncommand: {' '.join(self.cmd)}") from err
 
     def stop(self, grace: float = 20.0) -> int | None:
         """SIGTERM the peer's process group, SIGKILL it after `grace` s; return the exit code."""
@@ -199,7 +200,7 @@ def launch_server(
     model: str,
     ready_path: str,
     log_dir: Path,
-    ready_timeout: float,
+    startup: StartupBounds | None = None,
     *,
     wait: bool = True,
 ) -> PeerServer:
@@ -234,7 +235,7 @@ def launch_server(
     if not wait:
         return server
     try:
-        server.ready_s = server.wait_ready(ready_timeout)
+        server.ready_s = server.wait_ready(startup)
     except BaseException:
         server.stop(grace=5.0)
         raise
@@ -256,7 +257,7 @@ def start_vllm(
     extra_args: Sequence[str] = (),
     extra_env: Mapping[str, str] | None = None,
     name: str = "vllm",
-    ready_timeout: float = 300.0,
+    startup: StartupBounds | None = None,
     wait: bool = True,
     log_dir: Path | None = None,
     cache: PeerCache | None = None,
@@ -321,7 +322,7 @@ def start_vllm(
         served,
         "/v1/models",
         log_dir or run / "logs",
-        ready_timeout,
+        startup,
         wait=wait,
     )
 
@@ -337,7 +338,7 @@ def start_llamacpp(
     metrics: bool = True,
     outtype: str = "f32",
     extra_args: Sequence[str] = (),
-    ready_timeout: float = 60.0,
+    startup: StartupBounds | None = None,
     log_dir: Path | None = None,
     cache: PeerCache | None = None,
 ) -> PeerServer:
@@ -381,5 +382,5 @@ def start_llamacpp(
         served,
         "/health",
         log_dir or cache.run_dir / "logs",
-        ready_timeout,
+        startup,
     )

@@ -7,13 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from kvfence.serve.supervisor import free_port
+from kvfence.startup_wait import Probe, wait_started
 
 KEY_A = "audit-tenant-a-0123456789"
 KEY_B = "audit-tenant-b-0123456789"
@@ -80,18 +80,17 @@ def start(
     return Server(f"http://127.0.0.1:{port}", proc, log)
 
 
-def wait_ready(server: Server, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"server exited: {server.log.read_text()[-2000:]}")
+def wait_ready(server: Server) -> None:
+    """Until /health answers 200; the wait follows the server (kvfence.startup_wait)."""
+
+    def healthy() -> Probe:
         try:
-            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"server not ready: {server.log.read_text()[-2000:]}")
+            status = httpx.get(server.url + "/health", timeout=2).status_code
+        except httpx.HTTPError as err:
+            return Probe(False, type(err).__name__)
+        return Probe(status == 200, f"HTTP {status}")
+
+    wait_started(f"kvfence serve at {server.url}/health", server.proc, server.log, healthy)
 
 
 def stop(server: Server) -> None:

@@ -31,7 +31,8 @@ if str(ROOT) not in sys.path:  # `bench` is a top-level folder, not an installed
 from bench.peers import PeerCache, PeerServer, start_vllm  # noqa: E402
 
 # vLLM needs about a minute to start on an idle 2-core machine, several on a busy one.
-pytestmark = [pytest.mark.slow, pytest.mark.peers, pytest.mark.timeout(900)]
+# func_only: vLLM's start-up (a fixture) is bounded by its own wait, which follows the server.
+pytestmark = [pytest.mark.slow, pytest.mark.peers, pytest.mark.timeout(900, func_only=True)]
 
 
 @pytest.fixture(scope="module")

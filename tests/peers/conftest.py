@@ -56,7 +56,6 @@ def vllm_peer(
         max_model_len=VLLM_MAX_MODEL_LEN,
         enable_prompt_tokens_details=True,
         enforce_eager=True,
-        ready_timeout=840.0,
         log_dir=tmp_path_factory.mktemp("vllm-log"),
         cache=cache,
     ) as server:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 from bench.peers import PeerServer, llamacpp_n_ctx, llamacpp_n_ctx_seq, vllm_pool_tokens
-from peer_helpers import LLAMA_CTX, LLAMA_SLOTS, VLLM_BLOCKS, VLLM_MAX_MODEL_LEN
+from peer_helpers import LLAMA_CTX, LLAMA_SLOTS, PEER_TIMEOUT, VLLM_BLOCKS, VLLM_MAX_MODEL_LEN
 
 from kvfence.audit.base import AuditContext, Budget, Verdict, run_check
 from kvfence.audit.boundary import BoundaryCheck
@@ -19,7 +19,7 @@ from kvfence.audit.capacity import CapacityCheck
 from kvfence.audit.targets.base import Target, TargetFacts
 from kvfence.audit.targets.registry import detect
 
-pytestmark = [pytest.mark.slow, pytest.mark.peers]
+pytestmark = [pytest.mark.slow, pytest.mark.peers, PEER_TIMEOUT]
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from bench.peers import (
 from peer_helpers import (
     LLAMA_CTX,
     LLAMA_SLOTS,
+    PEER_TIMEOUT,
     complete,
     get_json,
     get_text,
@@ -24,9 +25,7 @@ from peer_helpers import (
     token_ids,
 )
 
-# The session's peer starts inside the first test's timeout; on a loaded 2-core machine
-# vLLM can take minutes instead of ~55 s.
-pytestmark = [pytest.mark.slow, pytest.mark.peers, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.peers, PEER_TIMEOUT]
 
 
 def test_props_report_per_slot_ctx_and_slots(llamacpp_peer: PeerServer) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from bench.peers import PeerServer, vllm_pool_tokens
 from peer_helpers import (
+    PEER_TIMEOUT,
     VLLM_BLOCKS,
     VLLM_MAX_MODEL_LEN,
     complete,
@@ -15,9 +16,7 @@ from peer_helpers import (
     token_ids,
 )
 
-# The session's peer starts inside the first test's timeout; on a loaded 2-core machine
-# vLLM can take minutes instead of ~55 s.
-pytestmark = [pytest.mark.slow, pytest.mark.peers, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.peers, PEER_TIMEOUT]
 
 
 def test_models_reports_configured_max_model_len(vllm_peer: PeerServer) -> None:

@@ -17,12 +17,13 @@ from typing import Any
 import pytest
 from bench.peers import PeerCache, PeerServer
 from bench.peers.pd_fleet import VllmPdFleet, start_vllm_pd
+from peer_helpers import PEER_TIMEOUT
 
 from kvfence.audit.base import AuditContext, Budget, CheckResult, Verdict, run_check
 from kvfence.audit.targets.registry import detect
 from kvfence.audit.transfer_reference import TransferReferenceCheck
 
-pytestmark = [pytest.mark.slow, pytest.mark.peers, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.peers, PEER_TIMEOUT]
 
 
 @pytest.fixture(scope="module")

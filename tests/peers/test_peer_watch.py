@@ -15,14 +15,14 @@ import re
 import pytest
 from bench.peers import PeerServer, llamacpp_n_ctx_seq, vllm_pool_tokens
 from click.testing import CliRunner, Result
-from peer_helpers import LLAMA_CTX, LLAMA_SLOTS, VLLM_MAX_MODEL_LEN
+from peer_helpers import LLAMA_CTX, LLAMA_SLOTS, PEER_TIMEOUT, VLLM_MAX_MODEL_LEN
 
 from kvfence.audit.base import AuditContext, Budget, Verdict, run_check
 from kvfence.audit.capacity import CapacityCheck
 from kvfence.audit.targets.registry import detect
 from kvfence.cli import main
 
-pytestmark = [pytest.mark.slow, pytest.mark.peers, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.peers, PEER_TIMEOUT]
 
 
 def watch_once(peer: PeerServer, *args: str) -> Result:

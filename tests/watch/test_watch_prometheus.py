@@ -27,6 +27,7 @@ import httpx
 import pytest
 
 from kvfence.serve.supervisor import free_port
+from kvfence.startup_wait import Probe, StartupFailed, wait_started
 
 pytestmark = pytest.mark.slow
 
@@ -74,15 +75,31 @@ class Served:
         self.proc, self.log = proc, log
         self._url: str | None = None
 
-    def url(self, timeout_s: float = 240.0) -> str:
-        end = time.monotonic() + timeout_s
-        while self._url is None:
-            if m := re.search(r"kvfence serving \S+ at (http://\S+)", self.log.read_text()):
-                self._url = m.group(1)
-                break
-            assert self.proc.poll() is None and time.monotonic() < end, self.log.read_text()
-            time.sleep(0.3)
+    def url(self) -> str:
+        """The URL it announced; the wait follows the server (kvfence.startup_wait)."""
+
+        def announced() -> Probe:
+            m = re.search(r"kvfence serving \S+ at (http://\S+)", self.log.read_text())
+            self._url = m.group(1) if m else None
+            return Probe(m is not None, "")
+
+        if self._url is None:
+            wait_started(f"kvfence serve ({self.log.name})", self.proc, self.log, announced)
+        assert self._url is not None
         return self._url
+
+    def wait_healthy(self) -> None:
+        """Until /health answers 200, following the server as `url` does."""
+        url = self.url()
+
+        def healthy() -> Probe:
+            try:
+                status = httpx.get(url + "/health", timeout=2).status_code
+            except httpx.HTTPError as err:
+                return Probe(False, type(err).__name__)
+            return Probe(status == 200, f"HTTP {status}")
+
+        wait_started(f"kvfence serve at {url}/health", self.proc, self.log, healthy)
 
     @property
     def port(self) -> int:
@@ -111,18 +128,6 @@ def kvfence_serve(tmp: Path, name: str, args: tuple[str, ...], port: int = 0) ->
         stop(proc)
 
 
-def wait_healthy(url: str, timeout_s: float = 240.0) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError(f"{url} did not become healthy")
-
-
 @contextmanager
 def guard(tmp: Path, urls: list[str]) -> Iterator[str]:
     cmd = [sys.executable, "-c", "from kvfence.cli import main; main()", "watch"]
@@ -135,10 +140,14 @@ def guard(tmp: Path, urls: list[str]) -> Iterator[str]:
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
-        end = time.monotonic() + 60
-        while not (m := re.search(r"guard metrics at (http://\S+)/metrics", log_path.read_text())):
-            assert proc.poll() is None and time.monotonic() < end, log_path.read_text()
-            time.sleep(0.2)
+
+        def announced() -> Probe:
+            found = re.search(r"guard metrics at (http://\S+)/metrics", log_path.read_text())
+            return Probe(found is not None)
+
+        wait_started("kvfence watch's metrics address", proc, log_path, announced)
+        m = re.search(r"guard metrics at (http://\S+)/metrics", log_path.read_text())
+        assert m is not None
         yield m.group(1)
     finally:
         stop(proc)
@@ -165,7 +174,7 @@ def prometheus(tmp: Path, guard_url: str) -> Iterator[str]:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
-            if wait_ready(url, proc):
+            if wait_ready(url, proc, log_path):
                 yield url
                 return
         finally:
@@ -174,19 +183,23 @@ def prometheus(tmp: Path, guard_url: str) -> Iterator[str]:
     raise AssertionError("prometheus found no free port in 5 tries")
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes]) -> bool:
+def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> bool:
     """True once Prometheus answers ready; False if it exited (its log says why)."""
-    end = time.monotonic() + 60
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            return False
+
+    def ready() -> Probe:
         try:
-            if httpx.get(url + "/-/ready", timeout=2).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError("prometheus did not become ready")
+            status = httpx.get(url + "/-/ready", timeout=2).status_code
+        except httpx.HTTPError as err:
+            return Probe(False, type(err).__name__)
+        return Probe(status == 200, f"HTTP {status}")
+
+    try:
+        wait_started(f"prometheus at {url}/-/ready", proc, log, ready)
+    except StartupFailed:
+        if proc.poll() is None:
+            raise
+        return False
+    return True
 
 
 class Alerts:
@@ -265,9 +278,9 @@ def test_alerts_fire_in_a_real_prometheus(tmp_path: Path) -> None:
         started.append(
             resized_run.enter_context(kvfence_serve(dirs["resized"], "r1", RESIZED_BEFORE))
         )
+        for served in started:
+            served.wait_healthy()
         hardened, lab, resized = (s.url() for s in started)
-        for url in (hardened, lab, resized):
-            wait_healthy(url)
         g = stack.enter_context(guard(tmp_path, [hardened, lab, resized]))
         prom = stack.enter_context(prometheus(tmp_path, g))
         names = dict(zip(("hardened", "lab", "resized"), started, strict=True))
@@ -286,9 +299,8 @@ def test_alerts_fire_in_a_real_prometheus(tmp_path: Path) -> None:
         r2 = resized_run.enter_context(
             kvfence_serve(dirs["resized"], "r2", RESIZED_AFTER, port=started[2].port)
         )
-        r2.url()
         alerts.servers["resized"] = r2
-        wait_healthy(resized)
+        r2.wait_healthy()
         resize_s = alerts.wait_firing(
             {("KVPoolBelowContext", resized), ("CapacityFactsChanged", resized)}, 60
         )

@@ -29,6 +29,7 @@ import httpx
 from kvfence.audit.base import DEFAULT_ALPHA, AuditContext, Budget, CheckResult
 from kvfence.audit.runbook import EMBEDDED_CHECKS, AuditRun, preload_checks, run_audit
 from kvfence.audit.target_names import TargetSpec
+from kvfence.startup_wait import Probe, StartupBounds, wait_started
 
 KEY_A = "embedded-tenant-a-key-0001"
 KEY_B = "embedded-tenant-b-key-0002"
@@ -87,13 +88,6 @@ class Starting:
         """The URL the server said it listens at, or None while it has not said."""
         m = ANNOUNCED.search(self.log.read_bytes())
         return m.group(1).decode() if m else None
-
-    def exited(self) -> str | None:
-        """Why the server is gone (its code and the end of its log), or None while it runs."""
-        if (code := self.proc.poll()) is None:
-            return None
-        tail = self.log.read_text(errors="replace").splitlines()[-20:]
-        return f"embedded server {self.name} exited with code {code}:\n" + "\n".join(tail)
 
 
 def _write_tenants(workdir: Path) -> Path:
@@ -167,24 +161,26 @@ def _stop_all(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 20.0)
             proc.wait()
 
 
-def wait_ready(server: Starting, timeout_s: float = 180.0) -> EmbeddedServer:
-    """The server once it has said where it listens and answers /health with 200; an error
-    with its log's end as soon as it exits, and one naming it at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    url = None
-    while time.monotonic() < deadline:
-        if (gone := server.exited()) is not None:
-            raise RuntimeError(gone)
+def wait_ready(server: Starting, bounds: StartupBounds | None = None) -> EmbeddedServer:
+    """The server once it has said where it listens and answers /health with 200. The wait
+    follows the server (kvfence.startup_wait): it ends with the log's end as soon as the
+    server exits, and when it stalls or outlasts the cap, naming what it waited for."""
+    url: str | None = None
+
+    def probe() -> Probe:
+        nonlocal url
         url = url or server.announced()
-        if url is not None:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    return EmbeddedServer(server.name, url)
-            except httpx.HTTPError:
-                pass
-        time.sleep(0.1 if url is None else 0.3)
-    where = f"at {url}" if url else "(it never said where it listens)"
-    raise RuntimeError(f"embedded server {server.name} did not become ready {where}")
+        if url is None:
+            return Probe(False, "not yet announced where it listens")
+        try:
+            status = httpx.get(url + "/health", timeout=2).status_code
+        except httpx.HTTPError as err:
+            return Probe(False, f"{url}/health: {type(err).__name__}")
+        return Probe(status == 200, f"{url}/health: HTTP {status}")
+
+    wait_started(f"embedded server {server.name}", server.proc, server.log, probe, bounds)
+    assert url is not None  # the probe said ready, so it had the URL
+    return EmbeddedServer(server.name, url)
 
 
 def audit_embedded(
