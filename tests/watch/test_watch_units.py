@@ -67,6 +67,9 @@ def test_dashboard_and_rules_name_only_metrics_that_exist() -> None:
     engine |= {"kvfence_request_prompt_tokens", "kvfence_request_cached_tokens"}
     engine |= {f"kvfence_{n}" for n in ("isolation_violations", "transfer_mismatches")}
     engine |= {"kvfence_transfer_failures"}
+    engine |= {f"kvfence_num_requests_{n}" for n in ("running", "waiting")}
+    engine |= {"kvfence_kv_cache_usage_perc", "kvfence_e2e_request_latency_seconds"}
+    engine |= {"kvfence_inter_token_latency_seconds"}
     known = guard | engine
     used = set(re.findall(r"\b(kvfence_[a-z0-9_]+)", "\n".join(exprs)))
     base = {re.sub(r"_(total|bucket)$", "", u) for u in used}  # counter / histogram series
@@ -76,7 +79,7 @@ def test_dashboard_and_rules_name_only_metrics_that_exist() -> None:
     # the guard's own request load is charted per target.
     assert guard - base == set()
     charted = "\n".join(t["expr"] for p in dash["panels"] for t in p["targets"])
-    assert "rate(kvfence_guard_requests_total[5m])" in charted
+    assert 'rate(kvfence_guard_requests_total{target=~"$target"}[5m])' in charted
 
 
 ALPHA_1S = AlarmBudget(1.0, 1.0).alpha  # the Prometheus test's interval: ~3.9e-7 per test

@@ -75,6 +75,17 @@ class PoolInfo:
     pages_used: int
     pages_free: int
     pages_pending: int
+    # Of pages_used: pages only the prefix cache holds, which it gives back the moment an
+    # allocation needs them (free for the KV usage fraction, as vLLM and SGLang count them).
+    pages_cached: int = 0
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool no new request can have now: held by a request, or parked
+        until a transfer ends (I7); evictable prefix-cache pages count as free."""
+        total = self.pages_used + self.pages_free + self.pages_pending
+        held = self.pages_used - self.pages_cached + self.pages_pending
+        return held / total if total else 0.0
 
 
 @dataclass(frozen=True, slots=True)

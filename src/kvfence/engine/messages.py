@@ -214,6 +214,7 @@ class WorkerStatus:
     # AssertionError text when it did not; "" when busy (not checked this time).
     integrity: str = ""
     refused_messages: int = 0  # malformed or unexpected control messages the inbox refused
+    pages_cached: int = 0  # of pages_used: evictable prefix-cache pages (PoolInfo.pages_cached)
     version: int = PROTOCOL_VERSION
 
 

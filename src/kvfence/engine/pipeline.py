@@ -201,7 +201,10 @@ class LocalPipeline:
             prefix_cache_hit_tokens=cache.hit_tokens,
             transfer_failures=self._transfer_failures,
         )
-        pools = (_pool_info("prefill", self.prefill_pool), _pool_info("decode", self.decode_pool))
+        pools = (
+            _pool_info("prefill", self.prefill_pool, cache.num_evictable),
+            _pool_info("decode", self.decode_pool),
+        )
         return BackendStats(counters, pools)
 
     # ---- for tests and operators (call at a quiescent point) --------------------------------
@@ -386,7 +389,7 @@ class LocalPipeline:
             self._cond.notify_all()
 
 
-def _pool_info(role: str, pool: KVPool) -> PoolInfo:
+def _pool_info(role: str, pool: KVPool, cached: int = 0) -> PoolInfo:
     return PoolInfo(
         role=role,
         pool_tokens=pool.capacity_tokens,
@@ -394,4 +397,5 @@ def _pool_info(role: str, pool: KVPool) -> PoolInfo:
         pages_used=pool.num_used,
         pages_free=pool.num_free,
         pages_pending=pool.num_pending,
+        pages_cached=cached,
     )

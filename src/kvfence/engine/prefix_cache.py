@@ -171,7 +171,9 @@ class PrefixCache:
 
     @property
     def num_evictable(self) -> int:
-        return sum(1 for e in self._entries.values() if e.refs == 0)
+        # A scrape reads this from another thread: copy the entries first (one C call, whole
+        # under the GIL) so the engine thread's inserts cannot break the iteration.
+        return sum(1 for e in list(self._entries.values()) if e.refs == 0)
 
     def handles(self) -> list[PageHandle]:
         return [e.handle for e in self._entries.values()]

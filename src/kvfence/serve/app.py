@@ -1,9 +1,10 @@
-"""The HTTP app: OpenAI-compatible routes, tokenize/detokenize, health, metrics, server_info.
+"""The HTTP app: OpenAI-compatible routes, tokenize/detokenize, health, metrics, server_info,
+version.
 
 `create_app` runs the capacity gate on the backend's live pools (I4) and raises
 `CapacityGateError` when the server must not start. The caller owns the
 backend's lifecycle (start before, stop after). Every route except /health
-requires a tenant key unless the server runs in the explicit no-auth dev mode.
+and /version requires a tenant key unless the server runs in the explicit no-auth dev mode.
 
 A Starlette app: every route reads its own request (body limits, strict fields,
 kvfence's own OpenAPI document), so nothing here needs FastAPI's parameter
@@ -31,6 +32,7 @@ from kvfence.serve import protocol
 from kvfence.serve.admission import Admission
 from kvfence.serve.body import read_body
 from kvfence.serve.config import Capacity, ServeConfig, decide_capacity
+from kvfence.serve.engine_metrics import LoadCollector, RequestTimes
 from kvfence.serve.errors import INTERNAL_ERROR, ApiError
 from kvfence.serve.fields import load_json
 from kvfence.serve.info import server_info, tenant_view
@@ -39,6 +41,7 @@ from kvfence.serve.openapi import build_openapi
 from kvfence.serve.request_log import RequestLatency
 from kvfence.serve.router import Router
 from kvfence.serve.tenants import TenantRegistry
+from kvfence.serve.version import version_info
 
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -104,7 +107,9 @@ def create_app(
         context_length=config.context_length,
     )
     latency = RequestLatency(registry, config.context_length, request_log)
-    router = router_type(backend, admission, config, counters, latency)
+    times = RequestTimes(registry, config.model_name)
+    router = router_type(backend, admission, config, counters, latency, times)
+    registry.register(LoadCollector(config.model_name, router.load, backend.stats))
     operator = _Operator(backend, admission, config, capacity, tenants, router)
     app = Starlette(
         routes=[
@@ -185,8 +190,12 @@ def _generate_routes(router: Router, admission: Admission, config: ServeConfig) 
             ],
         }
 
+    async def version(_request: Request) -> dict[str, Any]:
+        return version_info()
+
     return [
         route("/health", health, "GET"),
+        json_route("/version", version, "GET"),
         route("/v1/completions", completions, "POST"),
         route("/v1/chat/completions", chat, "POST"),
         json_route("/v1/models", models, "GET"),

@@ -70,7 +70,7 @@ def server_info(
 
 
 OPERATOR_ONLY = ("lab",)
-LIVE_POOL_FIELDS = ("pages_used", "pages_free", "pages_pending")
+LIVE_POOL_FIELDS = ("pages_used", "pages_free", "pages_pending", "pages_cached")
 
 
 def tenant_view(full: dict[str, Any], tenant: str, live_requests: int) -> dict[str, Any]:

@@ -364,4 +364,11 @@ def _service_paths() -> dict[str, Any]:
                 "responses": {"200": {"description": "the server is up (empty body)"}},
             }
         },
+        "/version": {
+            "get": {
+                "operationId": "version",
+                "security": [],
+                "responses": _ok(shapes.version()),
+            }
+        },
     }

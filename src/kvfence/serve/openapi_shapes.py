@@ -77,6 +77,11 @@ def detokenized() -> Schema:
     return _obj({"prompt": STR})
 
 
+def version() -> Schema:
+    """`/version` (serve/version.py): the installed package's version, no key needed."""
+    return _obj({"version": {"type": "string", "minLength": 1}, "engine": {"const": "kvfence"}})
+
+
 def models() -> Schema:
     model = _obj(
         {

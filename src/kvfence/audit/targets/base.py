@@ -20,11 +20,12 @@ Contract:
 from __future__ import annotations
 
 import json
-import re
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvfence.audit.base import Fact, JSONValue
 from kvfence.audit.client import ProbeClient, ProbeResponse
@@ -179,10 +180,7 @@ class Endpoints:
         return parse_prometheus(r.body)
 
 
-# -- Prometheus text exposition (just enough: name{labels} value) -------------
-
-_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+# -- Prometheus text exposition, read with prometheus_client's own parser ----------
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,21 +191,32 @@ class Sample:
 
 
 def parse_prometheus(text: str) -> list[Sample]:
-    """Parse Prometheus text format samples (comments skipped; unparsable lines ignored)."""
-    out: list[Sample] = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        try:
-            value = float(m.group(4))
-        except ValueError:
-            continue
-        labels = {k: v.replace('\\"', '"') for k, v in _LABEL.findall(m.group(3) or "")}
-        out.append(Sample(m.group(1), labels, value))
-    return out
+    """Every sample of a Prometheus text exposition, label values unescaped (`\\"`, `\\\\`,
+    `\\n` as the format defines them).
+
+    The standard parser stops at the first line it cannot read; a target's other samples are
+    still worth reading, so the text is then read line by line and only the lines it cannot
+    read are left out (a sample's name and labels do not depend on its family's comments).
+    """
+    try:
+        return _samples(text)
+    except ValueError:
+        out: list[Sample] = []
+        for line in text.splitlines():
+            if line.strip() and not line.lstrip().startswith("#"):
+                try:
+                    out.extend(_samples(line))
+                except ValueError:
+                    continue  # not a sample: the rest of the text still counts
+        return out
+
+
+def _samples(text: str) -> list[Sample]:
+    return [
+        Sample(s.name, dict(s.labels), float(s.value))
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    ]
 
 
 def samples_named(samples: list[Sample], name: str) -> list[Sample]:

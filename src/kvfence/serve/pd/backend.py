@@ -169,7 +169,7 @@ class PDBackend:
             )
             pools = tuple(
                 PoolInfo(s.role, s.pool_tokens, s.page_size, s.pages_used, s.pages_free,
-                         s.pages_pending)
+                         s.pages_pending, s.pages_cached)
                 for s in statuses
             )  # fmt: skip
             return BackendStats(counters, pools)

@@ -171,6 +171,7 @@ def _status(
     busy: bool,
     outstanding: Callable[[], list[PageHandle]],
     counters: Counters,
+    cached: int = 0,
 ) -> WorkerStatus:
     return WorkerStatus(
         role=role,
@@ -181,6 +182,7 @@ def _status(
         pages_used=pool.num_used,
         pages_free=pool.num_free,
         pages_pending=pool.num_pending,
+        pages_cached=cached,
         integrity=_integrity(pool, busy, outstanding),
         refused_messages=inbox.refused.count,
         counters=counters,
@@ -246,7 +248,9 @@ class PrefillWorker:
         )
         busy = self.engine.has_work or bool(self.dest_of)
         outstanding = self.engine.outstanding_handles
-        return _status("prefill", self.control.inbox, "", self.pool, busy, outstanding, counters)
+        inbox = self.control.inbox
+        evictable = cache.num_evictable
+        return _status("prefill", inbox, "", self.pool, busy, outstanding, counters, evictable)
 
     def open_rooms(self) -> list[str]:
         return list(self.dest_of)

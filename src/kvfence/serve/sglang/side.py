@@ -113,8 +113,13 @@ class PairSide(ABC):
             pool.num_used,
             pool.num_free,
             pool.num_pending,
+            self.evictable_pages(),
         )
         return BackendStats(self.counters(), (info,))
+
+    def evictable_pages(self) -> int:
+        """Pages only a prefix cache holds (PoolInfo.pages_cached); a role without one: 0."""
+        return 0
 
     # ---- the engine thread ---------------------------------------------------------------
 
