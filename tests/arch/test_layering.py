@@ -17,7 +17,7 @@ import kvfence
 SRC = Path(kvfence.__file__).parent
 
 # What each layer must never import. Network and process libraries stay out of
-# the network-free core (DESIGN.md, Conventions).
+# the network-free core (docs/ARCHITECTURE.md, "The layers").
 UPWARD = ("kvfence.serve", "kvfence.lab", "kvfence.audit", "kvfence.cli", "kvfence.watch")
 NETWORK = ("zmq", "socket", "http", "urllib", "requests", "fastapi", "uvicorn", "aiohttp", "httpx")
 ENGINE_SIDE = ("kvfence.kv", "kvfence.model", "kvfence.engine", "kvfence.serve", "kvfence.lab")

@@ -4,7 +4,7 @@ Network-free: it takes `Bootstrap`, transfer manifests, inbound-closed
 confirmations and `Abort`, and leaves what it produces in `drain()`:
 `BootstrapReady` for the router, `TokenChunk`s and `Failure`s for the client.
 
-The reservation protocol (DESIGN.md "Data flow"):
+The reservation protocol (docs/ARCHITECTURE.md, "Data flow and the reservation protocol"):
   bootstrap  reserve pages for EXACTLY the prompt (owned by this request,
              generation-stamped) and mark them inbound: a transfer may land
              from the moment their handles leave this engine (I7);

@@ -1,6 +1,6 @@
 """Models on paged KV: Llama-family decoders and the diagnostic mirror model.
 
-Knows no roles or transports (DESIGN.md, Conventions). Public entry points:
+Knows no roles or transports (docs/ARCHITECTURE.md, "The layers"). Public entry points:
 `load_model` (an HF directory -> model + config + tokenizer),
 `make_tiny_checkpoint` / `default_checkpoint_dir` (seeded checkpoints), and
 `build_forward_batch` (per-row specs -> the `ForwardBatch` a model runs).

@@ -6,7 +6,7 @@ attended position `num_generated[row]`, read back through the same paged
 `gather` as the real model and nothing else — no Python-side copy of the
 prompt. With correct isolation a request therefore echoes its own prompt in
 order (then its own echo); any cross-page or stale read surfaces another
-request's tokens verbatim (DESIGN.md, "The incident lab").
+request's tokens verbatim (docs/ARCHITECTURE.md, "The model and its kernels").
 
 Weightless, the mirror's prefill costs nothing, so runbook signal 3 (a long
 prompt answered as fast as a short one) cannot be told from noise. Built

@@ -3,7 +3,7 @@
 Each reader returns the field's value (or its default when absent or null)
 or raises a 400 that names the field and the allowed range. `check_fields`
 refuses unknown fields, and known-but-unimplemented ones unless they hold
-their neutral value (DESIGN.md, Conventions: honour a field or reject it).
+their neutral value (docs/ARCHITECTURE.md, Conventions: honour a field or reject it).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """OpenAI-compatible request parsing and validation (the shapes of answers: responses.py).
 
 Every field a client sends is either honoured or rejected with an HTTP 400 that
-names it (DESIGN.md, Conventions): unknown fields are refused, and fields we
+names it (docs/ARCHITECTURE.md, Conventions): unknown fields are refused, and fields we
 know but do not implement (`n`, `best_of`, `echo`, `suffix`, penalties,
 `logit_bias`, tools ...) are accepted only at their neutral value. Parsing
 never touches the backend; a request that fails here allocates nothing.

@@ -1,4 +1,4 @@
-"""`kvfence watch`: the runbook after deploy (DESIGN.md, "The guard").
+"""`kvfence watch`: the runbook after deploy (docs/ARCHITECTURE.md, "The audit and the guard").
 
 Every interval the guard re-reads each target's live capacity facts through
 the audit's target adapters (HTTP only, like the audit), keeps a fingerprint
