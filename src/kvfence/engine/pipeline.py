@@ -201,10 +201,8 @@ class LocalPipeline:
             prefix_cache_hit_tokens=cache.hit_tokens,
             transfer_failures=self._transfer_failures,
         )
-        pools = (
-            _pool_info("prefill", self.prefill_pool, cache.num_evictable),
-            _pool_info("decode", self.decode_pool),
-        )
+        prefill = _pool_info("prefill", self.prefill_pool, cache.num_evictable)
+        pools = (prefill, _pool_info("decode", self.decode_pool))
         return BackendStats(counters, pools)
 
     # ---- for tests and operators (call at a quiescent point) --------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from kvfence.serve.openapi import build_openapi
 from kvfence.serve.request_log import RequestLatency
 from kvfence.serve.router import Router
 from kvfence.serve.tenants import TenantRegistry
-from kvfence.serve.version import version_info
+from kvfence.serve.version import version_response
 
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -109,7 +110,8 @@ def create_app(
     latency = RequestLatency(registry, config.context_length, request_log)
     times = RequestTimes(registry, config.model_name)
     router = router_type(backend, admission, config, counters, latency, times)
-    registry.register(LoadCollector(config.model_name, router.load, backend.stats))
+    load = partial(times.load, router.rooms)  # the router's live rooms, read at scrape time
+    registry.register(LoadCollector(config.model_name, load, backend.stats))
     operator = _Operator(backend, admission, config, capacity, tenants, router)
     app = Starlette(
         routes=[
@@ -190,12 +192,9 @@ def _generate_routes(router: Router, admission: Admission, config: ServeConfig) 
             ],
         }
 
-    async def version(_request: Request) -> dict[str, Any]:
-        return version_info()
-
     return [
         route("/health", health, "GET"),
-        json_route("/version", version, "GET"),
+        route("/version", version_response, "GET"),
         route("/v1/completions", completions, "POST"),
         route("/v1/chat/completions", chat, "POST"),
         json_route("/v1/models", models, "GET"),

@@ -19,14 +19,20 @@ is never older than the scrape.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import time
+from collections.abc import Callable, Container, Iterable, Iterator, Sized
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvfence.engine.backend import BackendStats, PoolInfo
+from kvfence.engine.messages import TokenChunk
+
+if TYPE_CHECKING:  # the router imports this module to time its requests
+    from kvfence.serve.router import Run
 
 MODEL_LABEL = "model_name"
 
@@ -108,9 +114,15 @@ class LoadCollector(Collector):
 
 
 class RequestTimes:
-    """End-to-end and inter-token latency histograms, labelled by the served model."""
+    """Per-request timings as the router sees its events, and which live requests are running.
 
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+    Called on the server's event loop only (the router's), so the set needs no lock. A room
+    enters `started` with its first token event while it is live, and leaves when the router
+    ends it: `started` stays a subset of the router's live rooms.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None, model_name: str) -> None:
+        self.started: set[str] = set()
         self.e2e = Histogram(
             "kvfence_e2e_request_latency_seconds",
             "Finished requests: submission to the last token",
@@ -125,3 +137,28 @@ class RequestTimes:
             buckets=TOKEN_GAP_BUCKETS,
             registry=registry,
         ).labels(model_name)
+
+    def chunk(self, run: Run, chunk: TokenChunk, live: Container[str]) -> None:
+        """A token event for `run`: its first-token facts, counts and the gap since the last."""
+        now = time.perf_counter()
+        if run.ttft_s is None:
+            run.ttft_s = now - run.submitted_s
+            run.prefill_s = chunk.prefill_s if chunk.prefill_s > 0 else None
+            if run.room in live:  # never re-add a room the router has already ended
+                self.started.add(run.room)
+        run.cached_tokens = max(run.cached_tokens, chunk.cached_tokens)
+        run.generated += len(chunk.token_ids)
+        if chunk.token_ids:
+            if run.last_token_s is not None:
+                self.inter_token.observe(now - run.last_token_s)
+            run.last_token_s = now
+
+    def ended(self, run: Run, outcome: str | None) -> None:
+        """The router ended `run` (outcome None: its side closed, the outcome not yet known)."""
+        self.started.discard(run.room)
+        if outcome == "finished":
+            self.e2e.observe(time.perf_counter() - run.submitted_s)
+
+    def load(self, live: Sized) -> Load:
+        running = len(self.started)
+        return Load(running=running, waiting=len(live) - running)

@@ -29,7 +29,7 @@ from kvfence.faults import Fault
 from kvfence.serve.admission import Admission, Prepared
 from kvfence.serve.body import read_body
 from kvfence.serve.config import ServeConfig
-from kvfence.serve.engine_metrics import Load, RequestTimes
+from kvfence.serve.engine_metrics import RequestTimes
 from kvfence.serve.errors import INTERNAL_ERROR, ApiError
 from kvfence.serve.limits import Slot
 from kvfence.serve.metrics import Outcome, RouterCounters
@@ -60,7 +60,7 @@ class Run:
     # Signal 3: timings of this request, for the histograms and its log line.
     submitted_s: float = field(default_factory=time.perf_counter)
     ttft_s: float | None = None
-    last_token_s: float | None = None  # when its latest token event arrived (perf_counter)
+    last_token_s: float | None = None  # its latest token event (inter-token latency)
     prefill_s: float | None = None
     cached_tokens: int = 0
     generated: int = 0
@@ -79,13 +79,12 @@ class Router:
         times: RequestTimes | None = None,
     ) -> None:
         self.latency = latency
-        self.times = times
+        self.times = times or RequestTimes(None, config.model_name)  # running/waiting, e2e, ITL
         self.backend = backend
         self.admission = admission
         self.config = config
         self.counters = counters
         self.rooms: dict[str, str] = {}  # live room -> tenant
-        self.started: set[str] = set()  # live rooms that have had a token event (a subset)
         self._watchers: set[asyncio.Task[None]] = set()
 
     # ---- rooms (I9) ----------------------------------------------------------------------
@@ -173,27 +172,8 @@ class Router:
                 ),
             )
         if isinstance(event, TokenChunk):
-            self._time_chunk(run, event)
+            self.times.chunk(run, event, self.rooms)
         return event
-
-    def _time_chunk(self, run: Run, chunk: TokenChunk) -> None:
-        now = time.perf_counter()
-        if run.ttft_s is None:
-            run.ttft_s = now - run.submitted_s
-            run.prefill_s = chunk.prefill_s if chunk.prefill_s > 0 else None
-            if run.room in self.rooms:  # never re-add a room that has already ended
-                self.started.add(run.room)
-        run.cached_tokens = max(run.cached_tokens, chunk.cached_tokens)
-        run.generated += len(chunk.token_ids)
-        if chunk.token_ids:
-            if run.last_token_s is not None and self.times is not None:
-                self.times.inter_token.observe(now - run.last_token_s)
-            run.last_token_s = now
-
-    def load(self) -> Load:
-        """Requests held now, for the running/waiting gauges (read on the event loop)."""
-        running = len(self.started)
-        return Load(running=running, waiting=len(self.rooms) - running)
 
     def _admit_and_submit(self, kind: Kind, tenant: str, body: bytes, request: Request) -> Run:
         prep = self.admission.admit(kind, tenant, body)
@@ -215,7 +195,7 @@ class Router:
             run.ended = True
             self.backend.abort(run.room, reason or "router finished the request")
         self.rooms.pop(run.room, None)
-        self.started.discard(run.room)
+        self.times.ended(run, None)
 
     # ---- the endpoints -------------------------------------------------------------------
 
@@ -289,6 +269,7 @@ class Router:
         if run.counted:
             return
         run.counted = True
+        self.times.ended(run, outcome)
         if self.latency is not None:
             self.latency.record(
                 run.tenant,
@@ -299,8 +280,6 @@ class Router:
                 ttft_s=run.ttft_s,
                 outcome=outcome,
             )
-        if outcome == "finished" and self.times is not None:
-            self.times.e2e.observe(time.perf_counter() - run.submitted_s)
         if outcome == "rejected":
             self.counters.rejected(reason or "unknown")
         else:

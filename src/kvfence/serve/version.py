@@ -11,6 +11,9 @@ from __future__ import annotations
 from importlib import metadata
 from typing import Any
 
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
 import kvfence
 
 ENGINE = "kvfence"
@@ -22,3 +25,8 @@ def version_info() -> dict[str, Any]:
     except metadata.PackageNotFoundError:
         version = kvfence.__version__
     return {"version": version, "engine": ENGINE}
+
+
+async def version_response(_request: Request) -> Response:
+    """The route's handler, shared by every kvfence app (create_app, the sglang stack's edge)."""
+    return JSONResponse(version_info())

@@ -74,7 +74,7 @@ from kvfence.serve.sglang.fields import split_router_fields
 from kvfence.serve.sglang.generate import completion_body
 from kvfence.serve.sglang.router_errors import conform, refusal, unreadable
 from kvfence.serve.tenants import TenantRegistry
-from kvfence.serve.version import version_info
+from kvfence.serve.version import version_response
 
 DONE_BYTES = DONE.strip().encode()  # b"data: [DONE]"
 FLT_MIN = 1.1754943508222875e-38  # the smallest normal float32
@@ -146,7 +146,7 @@ class Edge:
             "/v1/chat/completions": EdgeRoute(("POST",), self._generation("chat")),
             "/generate": EdgeRoute(("POST",), self._generation("generate")),
             "/health": EdgeRoute(("GET",), self._health),
-            "/version": EdgeRoute(("GET",), _version),  # the edge's own, no key (as a worker's)
+            "/version": EdgeRoute(("GET",), version_response),  # its own; no key, as a worker's
             **{
                 path: EdgeRoute((method,), self._side)
                 for path, method in (
@@ -435,10 +435,6 @@ def _refused(envelope: dict[str, Any], status: int) -> Response:
         err.update(type="rate_limit_error", code=LIMIT_CODE)
         return JSONResponse(envelope, status_code=429, headers=headers)
     return JSONResponse(envelope, status_code=status)
-
-
-async def _version(_request: Request) -> Response:
-    return JSONResponse(version_info())
 
 
 def _error(e: ApiError) -> Response:
