@@ -38,12 +38,17 @@ def text_files() -> Iterator[tuple[Path, str]]:
         if (ROOT / folder).is_dir():
             paths += sorted(p for p in (ROOT / folder).rglob("*") if p.is_file())
     for path in paths:
-        if "__pycache__" in path.parts or path.resolve() == SELF:
+        if path.resolve() == SELF or any(built(part) for part in path.parts):
             continue
         try:
             yield path, path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
             continue  # a built kernel or other binary: it cites nothing
+
+
+def built(part: str) -> bool:
+    """A folder the build or the interpreter writes (ignored by git): not the project's words."""
+    return part == "__pycache__" or part.endswith(".egg-info")
 
 
 def docs_in_repo() -> set[str]:
