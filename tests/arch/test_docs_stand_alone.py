@@ -87,14 +87,29 @@ def markdown_pages() -> list[Path]:
     return [README, *sorted(ROOT.glob("docs/*.md"))]
 
 
-def test_relative_links_in_readme_and_docs_lead_to_files() -> None:
+def anchors(page: Path) -> set[str]:
+    """The anchors a renderer gives the page's headings: lower case, punctuation dropped,
+    spaces as hyphens."""
+    out = set()
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            out.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return out
+
+
+def test_relative_links_in_readme_and_docs_lead_to_files_and_headings() -> None:
     broken = []
     for page in markdown_pages():
         for target in LINK.findall(page.read_text(encoding="utf-8")):
-            if target.startswith(("http://", "https://", "mailto:", "#")):
+            if target.startswith(("http://", "https://", "mailto:")):
                 continue
-            if not (page.parent / target.split("#", 1)[0]).exists():
-                broken.append(f"{page.relative_to(ROOT)}: {target}")
+            path, _, anchor = target.partition("#")
+            linked = page.parent / path if path else page
+            if not linked.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, "links to nothing:\n" + "\n".join(broken)
 
 
