@@ -71,8 +71,11 @@ FAULT_INFO: dict[Fault, FaultInfo] = {
         "I2 terminal REJECTED state and allow-list admission",
     ),
     Fault.DECODE_TRUSTS_BOOTSTRAP: FaultInfo(
-        "SGLang #30233: decode attends every reserved page, whatever arrived",
-        "I3 manifest/reservation reconciliation",
+        "SGLang #30233: decode attends every reserved page, whatever arrived; and SGLang's "
+        "PD workers: a decode worker takes a client's bootstrap_host/port/room and prefill "
+        "pairs by room alone, so a request naming another's room is served from its KV",
+        "I3 manifest/reservation reconciliation; I9 bootstrap fields only on the router's "
+        "path and a room bound to the tenant both workers authenticated",
     ),
     Fault.NO_LEDGER_CHECK: FaultInfo(
         "attention gathers pages without owner/generation/written-length verification",

@@ -34,6 +34,7 @@ from kvfence.engine.messages import (
     TransferDone,
 )
 from kvfence.engine.prefill import OutboundTransfer, PrefillEngine
+from kvfence.faults import Fault
 from kvfence.kv.pool import PageHandle
 from kvfence.serve.sglang.side import PAIR_TIMEOUT_S, Cancel, PairSide, Reject, Submit
 from kvfence.serve.transfer.base import KVTransport
@@ -65,6 +66,7 @@ class PrefillSide(PairSide):
         self.senders = Senders(transport, LabHold.from_env(os.environ))
         self.transfer_failures = 0
         self.room_mismatches = 0
+        self.pairs_by_room_alone = Fault.DECODE_TRUSTS_BOOTSTRAP in engine.faults  # lab only
 
     def iterate(self) -> None:
         """The data flow: decode's notes -> this edge's commands -> pair -> step -> notes, KV."""
@@ -144,7 +146,11 @@ class PrefillSide(PairSide):
         if reg is None or work is None or pair.sink is None:
             return
         del self.pairs[room]
-        if reg.tenant != work.tenant or reg.num_prompt_tokens != len(work.prompt_ids):
+        # I9: the room's owner is the tenant both workers authenticated. The lab's
+        # `decode-trusts-bootstrap` pairs by room number alone (SGLang's PD workers do), so
+        # a request that names another tenant's room is decoded over that tenant's KV.
+        owner_differs = reg.tenant != work.tenant and not self.pairs_by_room_alone
+        if owner_differs or reg.num_prompt_tokens != len(work.prompt_ids):
             self.room_mismatches += 1
             why = (
                 f"room {room} was registered by decode for another tenant or prompt length "

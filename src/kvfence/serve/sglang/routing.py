@@ -8,6 +8,10 @@ routed request, the refusal goes to the other worker of the pair through the
 bootstrap channel with the original error (`PairedBackend.reject`), so a
 decode that reserved pages for it releases them and answers the same error
 instead of waiting for KV that will not come (the incident's reject path).
+
+Only the lab's `decode-trusts-bootstrap` switch lets a decode worker take a
+client's bootstrap fields off the router's path: the defect of a PD worker that
+serves whoever names a room.
 """
 
 from __future__ import annotations
@@ -18,12 +22,18 @@ from starlette.requests import Request
 
 from kvfence.engine.backend import Backend
 from kvfence.engine.messages import ErrorInfo
+from kvfence.faults import Fault, FaultSet
 from kvfence.serve import protocol
 from kvfence.serve.errors import ApiError
 from kvfence.serve.fields import load_json
 from kvfence.serve.protocol import Kind
 from kvfence.serve.router import Router, Run
-from kvfence.serve.sglang.fields import RoomBinding, direct_refused, split_router_fields
+from kvfence.serve.sglang.fields import (
+    BOOTSTRAP_FIELDS,
+    RoomBinding,
+    direct_refused,
+    split_router_fields,
+)
 from kvfence.serve.sglang.gate import VIA_ROUTER
 
 
@@ -41,9 +51,10 @@ class WorkerRouter(Router):
 
     def _admit_and_submit(self, kind: Kind, tenant: str, body: bytes, request: Request) -> Run:
         backend = cast(PairedBackend, self.backend)
-        obj, binding = split_router_fields(
-            load_json(body), kind, bool(request.scope.get(VIA_ROUTER))
-        )
+        raw = load_json(body)
+        via_router = bool(request.scope.get(VIA_ROUTER))
+        trusted = via_router or trusts_client_room(raw, backend.role, self.config.faults)
+        obj, binding = split_router_fields(raw, kind, trusted)
         if binding is None:
             raise direct_refused(backend.role)
         try:
@@ -67,6 +78,13 @@ class WorkerRouter(Router):
             raise
         run.slot = slot
         return run
+
+
+def trusts_client_room(obj: object, role: str, faults: FaultSet) -> bool:
+    """Lab only: a decode worker that takes a client's bootstrap fields as the router's."""
+    if Fault.DECODE_TRUSTS_BOOTSTRAP not in faults or role != "decode":
+        return False
+    return isinstance(obj, dict) and any(name in obj for name in BOOTSTRAP_FIELDS)
 
 
 def _info(e: ApiError) -> ErrorInfo:
