@@ -9,8 +9,8 @@ reaching a worker directly — is answered from someone else's KV: the incident'
 The probe, per route (the public URL and every worker the fleet exposes):
 
 1. Tenant A asks a prefill-capable route for a reference (`do_remote_decode`, 1 token), as
-   the fleet's own router does. No route hands one out: nothing to test (NOT_APPLICABLE,
-   saying where it was asked).
+   the fleet's own router does. No route hands one out: no vLLM reference to present (the
+   verdict says where it was asked).
 2. Tenant B sends its own prompt with A's live reference. B's and A's prompts have equal
    length and the same last tokens, and their greedy continuations (computed beforehand
    under fresh cache salts) differ: so B's answer says, by construction, whose KV decode
@@ -23,201 +23,103 @@ The probe, per route (the public URL and every worker the fleet exposes):
    first blocks (no reference) is compared with its own salted continuation, through the
    public URL and at the route: a difference means the foreign KV entered the prefix cache
    under B's tokens, where every later request with that prefix reads it.
+5. SGLang's reference, the bootstrap room (transfer_bootstrap.py): B names the room of
+   A's transfer at the public URL and at every decode worker. Both probes run on every
+   target: a field an engine does not know is refused (kvfence: a 400 naming it) or
+   ignored (B's own answer), and either holds.
 
 HTTP only; every request is charged to the audit's budget.
 """
 
 from __future__ import annotations
 
-import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvfence.audit.base import AuditContext, Check, CheckResult, JSONValue, Verdict
-from kvfence.audit.client import ProbeClient, ProbeResponse
-from kvfence.audit.fleet import origin, parse_workers
-from kvfence.audit.prompts import random_words
 from kvfence.audit.targets.base import Target, parse_prometheus, samples_named
+from kvfence.audit.transfer_bootstrap import probe_bootstrap
+from kvfence.audit.transfer_probe import (
+    MAX_TOKENS,
+    Outcome,
+    Probe,
+    Route,
+    classify,
+    routes_of,
+)
 
 FIELD = "kv_transfer_params"  # vLLM's transfer reference, in requests and prefill answers
 ASK = {"do_remote_decode": True}  # what vllm-router sends prefill to get a reference
-MAX_TOKENS = 8  # the greedy continuation that tells whose KV was read
 SHARED_BLOCKS = 2  # blocks of B's prompt an honest request shares in the poisoning step
 DEFAULT_BLOCK = 128  # vLLM's CPU block; the shared prefix is this x SHARED_BLOCKS when unread
 TAIL = 40  # tokens after the shared prefix (a partial block: never cached itself)
 TAIL_SHARED = 8  # last tokens every probe prompt has in common (decode recomputes the last)
-TOKEN_RANGE = (10, 250)  # byte-level ids every byte-level BPE vocabulary holds
+Whose = dict[str, str]  # a prompt's label → that prompt's own continuation ("B": B's own)
 DRAWS = 4  # prompt pairs tried until A's and B's continuations differ
 ADVICE = (
     "Keep prefill and decode workers off the tenants' network (only the router's address "
-    "reachable); the router must overwrite any client-sent transfer reference; send a "
-    "per-tenant cache_salt so a poisoned prefix cannot reach another tenant."
+    "reachable); the router must overwrite any client-sent transfer reference (vLLM's "
+    "kv_transfer_params, SGLang's bootstrap_host/port/room) and workers take them from the "
+    "router only (kvfence: the router's credential path), pairing a room only with the "
+    "tenant both halves authenticated; send a per-tenant cache_salt so a poisoned prefix "
+    "cannot reach another tenant."
 )
 
 
-@dataclass(frozen=True, slots=True)
-class Route:
-    url: str  # full URL used to reach it (may carry a router credential in its path)
-    role: str  # public | prefill | decode | unified
-
-    @property
-    def shown(self) -> str:
-        return f"{self.role} {origin(self.url)}"
-
-
-@dataclass(slots=True)
-class Outcome:
-    route: str
-    case: str  # live | reused | poisoned
-    status: int | None
-    verdict: str  # leak | foreign | refused | own | error
-    detail: str
-    text: str = ""
-    expected: dict[str, str] = field(default_factory=dict)  # label → that prompt's own answer
-
-    def to_json(self) -> dict[str, JSONValue]:
-        return {
-            "route": self.route,
-            "case": self.case,
-            "status": self.status,
-            "verdict": self.verdict,
-            "detail": self.detail,
-            "answer": self.text[:120],
-            "own_continuations": {k: v[:120] for k, v in self.expected.items()},
-        }
+def reference(probe: Probe, route: Route, prompt: list[int]) -> dict[str, Any] | None:
+    """A's transfer reference for `prompt` from a prefill-capable route, or None."""
+    probe.asked.append(route.shown)
+    r = probe.client(route.url, "a").completion(prompt, max_tokens=1, extra={FIELD: ASK})
+    ref = r.json.get(FIELD) if r.ok and isinstance(r.json, dict) else None
+    if isinstance(ref, dict) and ref.get("remote_block_ids"):
+        return ref
+    return None
 
 
-@dataclass(slots=True)
-class Probe:
-    """State of one run: the prompts, their own continuations, what each route did."""
-
-    ctx: AuditContext
-    model: str | None
-    shared: int
-    tokenizers: tuple[str, ...] = ()  # route URLs asked for /tokenize, in order
-    outcomes: list[Outcome] = field(default_factory=list)
-    asked: list[str] = field(default_factory=list)
-
-    def client(self, url: str, tenant: str) -> ProbeClient:
-        c = self.ctx.client_for_url(url, "a" if tenant == "a" else "b")
-        if c.model is None:
-            c.model = self.model
-        return c
-
-    def prompt(self, tail: list[int], length: int) -> list[int]:
-        """`length` token ids ending in `tail`: random words as the target tokenizes them.
-
-        Prompts that end in the same tokens leave an engine's incremental detokenizer in the
-        same state, so the same generated ids read as the same text whoever's prompt came
-        first (an id that is half a UTF-8 character otherwise carries bytes of the *prompt*
-        into the answer's text).
-        """
-        head = length - len(tail)
-        words = random_words(self.ctx.rng, length)
-        for url in self.tokenizers:
-            ids = self.client(url, "a").tokenize(words)
-            if ids and len(ids) >= head:
-                return ids[:head] + tail
-        lo, hi = TOKEN_RANGE
-        return [self.ctx.rng.randrange(lo, hi) for _ in range(head)] + tail
-
-    def own(self, route: Route, prompt: list[int], tenant: str) -> str | None:
-        """The prompt's greedy continuation with nothing cached (a fresh cache salt)."""
-        salt = {"cache_salt": f"kvfence-audit-{secrets.token_hex(8)}"}
-        r = self.client(route.url, tenant).completion(prompt, max_tokens=MAX_TOKENS, extra=salt)
-        if r.status in (400, 422):  # no cache_salt on this engine: the plain answer
-            r = self.client(route.url, tenant).completion(prompt, max_tokens=MAX_TOKENS)
-        return r.texts[0] if r.ok and r.texts else None
-
-    def reference(self, route: Route, prompt: list[int]) -> dict[str, Any] | None:
-        """A's transfer reference for `prompt` from a prefill-capable route, or None."""
-        self.asked.append(route.shown)
-        r = self.client(route.url, "a").completion(prompt, max_tokens=1, extra={FIELD: ASK})
-        ref = r.json.get(FIELD) if r.ok and isinstance(r.json, dict) else None
-        if isinstance(ref, dict) and ref.get("remote_block_ids"):
-            return ref
-        return None
-
-    def present(
-        self, route: Route, case: str, prompt: list[int], ref: dict[str, Any], whose: dict[str, str]
-    ) -> Outcome:
-        """B sends `prompt` with `ref`; `whose` maps a tenant's label to its own continuation."""
-        r = self.client(route.url, "b").completion(
-            prompt, max_tokens=MAX_TOKENS, extra={FIELD: ref}
-        )
-        out = classify(route.shown, case, r, whose)
-        self.outcomes.append(out)
-        return out
-
-
-def classify(route: str, case: str, r: ProbeResponse, whose: dict[str, str]) -> Outcome:
-    """What B's answer proves: whose continuation it is (`whose`: label → text; "B" is B's own)."""
-    if r.status is None:
-        return Outcome(route, case, None, "error", f"no answer: {r.error}")
-    if 400 <= r.status < 500:
-        return Outcome(route, case, r.status, "refused", "the reference was refused")
-    if r.status >= 500 or not r.texts:
-        return Outcome(route, case, r.status, "error", f"server error: {r.body[:160]}")
-    out = _classify_text(route, case, r.texts[0], whose)
-    out.expected = dict(whose)
+def present(
+    probe: Probe, route: Route, case: str, prompt: list[int], ref: dict[str, Any], whose: Whose
+) -> Outcome:
+    """B sends `prompt` with `ref`; `whose` maps a tenant's label to its own continuation."""
+    r = probe.client(route.url, "b").completion(prompt, max_tokens=MAX_TOKENS, extra={FIELD: ref})
+    out = classify(route.shown, case, r, whose)
+    probe.outcomes.append(out)
     return out
-
-
-def _classify_text(route: str, case: str, text: str, whose: dict[str, str]) -> Outcome:
-    for label, own in whose.items():
-        if text == own:
-            if label == "B":
-                return Outcome(route, case, 200, "own", "answered from B's own KV", text)
-            return Outcome(route, case, 200, "leak", f"answered with {label}'s continuation", text)
-    others = " nor ".join(label for label in whose if label != "B")
-    return Outcome(
-        route,
-        case,
-        200,
-        "foreign",
-        f"answered with text that is neither B's own continuation nor {others}'s: KV that is "
-        "not B's (another request's, or never written)",
-        text,
-    )
 
 
 class TransferReferenceCheck(Check):
     name = "transfer_reference"
-    description = "a client-sent transfer reference (vLLM kv_transfer_params) never reads another request's KV"
+    description = (
+        "a client-sent transfer reference (vLLM kv_transfer_params, SGLang bootstrap room) "
+        "never reads another request's KV"
+    )
 
     def run(self, ctx: AuditContext, target: Target) -> CheckResult:
         client = ctx.client(target, "a")
         target.facts(client)  # sets the model id the routes' clients send
-        routes = _routes(ctx, target, client)
+        routes = routes_of(ctx, target, client)
         block = _block_size(ctx, routes)
         shared = SHARED_BLOCKS * (block or DEFAULT_BLOCK)
         probe = Probe(ctx, client.model, shared, tuple(r.url for r in routes))
-        length = shared + TAIL
         last = probe.prompt([], TAIL_SHARED)  # every prompt of the probe ends in these tokens
-        givers = [r for r in routes if r.role in ("prefill", "unified", "public")]
-        for giver in givers:
-            found = _distinct_pair(probe, giver, last, length)
+        giver = None
+        for route in (r for r in routes if r.role in ("prefill", "unified", "public")):
+            found = _distinct_pair(probe, route, last, shared + TAIL)
             if found is not None:
-                return self._probe_routes(ctx, target, probe, routes, giver, found, last)
-        return self.result(
-            target,
-            Verdict.NOT_APPLICABLE,
-            f"no route handed tenant A a transfer reference (asked `{FIELD}: "
-            f"{{do_remote_decode: true}}` at {', '.join(probe.asked) or 'no route'}): "
-            "there is no reference for another tenant to present",
-            {"routes": [r.shown for r in routes], "asked": list(probe.asked)},
-        )
+                giver = route
+                self._probe_routes(ctx, probe, routes, giver, found, last)
+                break
+        probe_bootstrap(probe, routes, last)
+        return self._verdict(target, probe, routes, giver)
 
     def _probe_routes(
         self,
         ctx: AuditContext,
-        target: Target,
         probe: Probe,
         routes: list[Route],
         giver: Route,
         first: Pair,
         last: list[int],
-    ) -> CheckResult:
+    ) -> None:
         """Each route gets prompts it has never seen: a prompt the router already carried to
         decode would be served from decode's own prefix cache, whatever reference came with it.
         """
@@ -230,15 +132,13 @@ class TransferReferenceCheck(Check):
                 why = f"not probed: {giver.shown} handed out no further reference"
                 probe.outcomes += [Outcome(r.shown, "live", None, "error", why) for r in takers[i:]]
                 break
-            out = probe.present(
-                route, "live", pair.pb, pair.ref, {"A": pair.own_a, "B": pair.own_b}
-            )
+            whose = {"A": pair.own_a, "B": pair.own_b}
+            out = present(probe, route, "live", pair.pb, pair.ref, whose)
             if out.verdict in ("leak", "foreign"):
                 poisoned.append((route, pair.pb))
                 self._reused(probe, route, giver, pair.ref, len(pair.pb), last)
         for route, pb in poisoned:
             self._poisoned(probe, route, routes, pb, last)
-        return self._verdict(target, probe, routes, giver)
 
     def _reused(
         self, probe: Probe, route: Route, giver: Route, old: dict[str, Any], n: int, last: list[int]
@@ -248,9 +148,9 @@ class TransferReferenceCheck(Check):
         own_c, own_b2 = probe.own(giver, pc, "a"), probe.own(giver, pb2, "b")
         if own_c is None or own_b2 is None or own_c == own_b2:
             return
-        if probe.reference(giver, pc) is None:
+        if reference(probe, giver, pc) is None:
             return
-        probe.present(route, "reused", pb2, old, {"C (A's later prompt)": own_c, "B": own_b2})
+        present(probe, route, "reused", pb2, old, {"C (A's later prompt)": own_c, "B": own_b2})
 
     def _poisoned(
         self, probe: Probe, route: Route, routes: list[Route], pb: list[int], last: list[int]
@@ -273,23 +173,27 @@ class TransferReferenceCheck(Check):
             probe.outcomes.append(out)
 
     def _verdict(
-        self, target: Target, probe: Probe, routes: list[Route], giver: Route
+        self, target: Target, probe: Probe, routes: list[Route], giver: Route | None
     ) -> CheckResult:
         bad = [o for o in probe.outcomes if o.verdict in ("leak", "foreign")]
         held = [o for o in probe.outcomes if o.verdict in ("refused", "own")]
+        handed = _handed(probe, giver)
         evidence: dict[str, JSONValue] = {
-            "reference_from": giver.shown,
+            "reference_from": giver.shown if giver is not None else None,
+            "asked": list(probe.asked),
             "routes": [r.shown for r in routes],
             "outcomes": [o.to_json() for o in probe.outcomes],
             "shared_prefix_tokens": probe.shared,
         }
+        if not probe.outcomes:
+            return self.result(target, Verdict.NOT_APPLICABLE, handed, evidence)
         if bad:
             evidence["advice"] = ADVICE
             where = "; ".join(f"{o.route} ({o.case}): {o.detail}" for o in bad)
             return self.result(
                 target,
                 Verdict.FAIL,
-                f"tenant B was served from KV that is not its own by presenting tenant A's "
+                "tenant B was served from KV that is not its own by presenting tenant A's "
                 f"transfer reference: {where}",
                 evidence,
             )
@@ -299,31 +203,29 @@ class TransferReferenceCheck(Check):
             return self.result(
                 target,
                 Verdict.INCONCLUSIVE,
-                f"no leak seen, but not every route answered the probe: {where}",
+                f"no leak seen, but not every route answered the probe: {where}; {handed}",
                 evidence,
             )
         return self.result(
             target,
             Verdict.PASS,
-            f"tenant A's transfer reference (from {giver.shown}) was refused or ignored on "
-            + ", ".join(sorted({f"{o.route} ({o.verdict})" for o in held})),
+            "tenant A's transfer references (vLLM's `kv_transfer_params`, SGLang's bootstrap "
+            "room) were refused or ignored on "
+            + ", ".join(sorted({f"{o.route} ({o.case}: {o.verdict})" for o in held}))
+            + f"; {handed}",
             evidence,
         )
 
 
-def _routes(ctx: AuditContext, target: Target, client: ProbeClient) -> list[Route]:
-    """The public URL, then every worker the router lists and every `--worker` given."""
-    routes = [Route(target.url, "public")]
-    listed = client.get("/workers")
-    workers = parse_workers(listed.json) if listed.ok else None
-    for w in workers or []:
-        role = {"prefill": "prefill", "decode": "decode"}.get(w.worker_type, "unified")
-        routes.append(Route(w.url.rstrip("/"), role))
-    known = {origin(r.url) for r in routes}
-    for url in ctx.workers:
-        if origin(url) not in known:
-            routes.append(Route(url.rstrip("/"), "unified"))
-    return routes
+def _handed(probe: Probe, giver: Route | None) -> str:
+    """Where tenant A's vLLM reference came from, or where it was asked for in vain."""
+    if giver is not None:
+        return f"tenant A's `{FIELD}` reference came from {giver.shown}"
+    asked = ", ".join(probe.asked) or "no route"
+    return (
+        f"no route handed tenant A a `{FIELD}` reference (asked `{FIELD}: "
+        f"{{do_remote_decode: true}}` at {asked})"
+    )
 
 
 def _block_size(ctx: AuditContext, routes: list[Route]) -> int | None:
@@ -358,7 +260,7 @@ def _distinct_pair(probe: Probe, giver: Route, last: list[int], length: int) -> 
     """
     for _ in range(DRAWS):
         pa, pb = probe.prompt(last, length), probe.prompt(last, length)
-        ref = probe.reference(giver, pa)
+        ref = reference(probe, giver, pa)
         if ref is None:
             return None
         own_a, own_b = probe.own(giver, pa, "a"), probe.own(giver, pb, "b")
