@@ -226,8 +226,9 @@ def _on_embedded(
 ) -> AuditBody:
     """The embedded default (no --target): a kvfence server this command starts itself."""
     if (missing := engine_missing()) is not None:  # the embedded servers run kvfence's engine
-        console.print(missing.hint("kvfence audit without --target (the embedded demo)"))
-        console.print("audit your own engine instead: kvfence audit --target URL", highlight=False)
+        # click, not rich: rich would read the extra's brackets as markup
+        click.echo(missing.hint("kvfence audit without --target (the embedded demo)"), err=True)
+        click.echo("or audit a running engine: kvfence audit --target URL", err=True)
         sys.exit(MISSING_EXTRA_EXIT)
     runner = _embedded_runner()
     if runner is None:
