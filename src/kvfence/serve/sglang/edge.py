@@ -14,11 +14,8 @@ this edge on the public address. Invariants:
 - The tenant key is checked here (401) before anything is forwarded: the router answers a
   worker's 401 with a 500.
 - A generation body goes through kvfence's strict parser here, on the client's own JSON,
-  because the router re-serialises it through its own types before a worker sees it: a
-  field the router drops (`rid`) or a number it narrows (a temperature of 1e308 becomes f32
-  infinity, then null) would otherwise reach the worker as a different, valid request. The
-  bytes forwarded are the client's, with null fields dropped and the served `model` filled
-  in where it named none.
+  before the router re-serialises it (edge_body.py); the bytes forwarded are the client's,
+  changed only where the router's types would read them differently.
 - The router's own refusals (its 422s, its error shapes, a refused stream) reach the client
   as kvfence's error envelope, naming the field where the router's message does.
 - Answers stream through as they arrive (no buffering). An event stream always ends with
@@ -48,7 +45,7 @@ import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import anyio
 import httpx
@@ -56,9 +53,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvfence.serve import protocol
 from kvfence.serve.body import read_body
-from kvfence.serve.errors import INTERNAL_ERROR, ApiError, bad_request
+from kvfence.serve.errors import INTERNAL_ERROR, ApiError
 from kvfence.serve.fields import load_json
 from kvfence.serve.limits import (
     COSTLY_REFUSALS,
@@ -70,14 +66,12 @@ from kvfence.serve.limits import (
     default_limits,
 )
 from kvfence.serve.responses import DONE, sse
-from kvfence.serve.sglang.fields import split_router_fields
-from kvfence.serve.sglang.generate import completion_body
+from kvfence.serve.sglang.edge_body import Route, check, for_router
 from kvfence.serve.sglang.router_errors import conform, refusal, unreadable
 from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.version import version_response
 
 DONE_BYTES = DONE.strip().encode()  # b"data: [DONE]"
-FLT_MIN = 1.1754943508222875e-38  # the smallest normal float32
 _RETRY_AFTER = re.compile(r"retry after (\d+) s")
 REFUSAL_BYTES = 65536  # read of a refused stream before its end, at most
 # Response headers that describe the router's connection, not the answer.
@@ -122,7 +116,6 @@ class EdgeSpec:
         return self.longest
 
 
-Route = Literal["completion", "chat", "generate"]
 Handler = Callable[[Request], Awaitable[ASGIApp]]
 
 
@@ -217,33 +210,7 @@ class Edge:
             body = await read_body(request, self.spec.body_limit, self.spec.body_timeout_s)
             obj = load_json(body)
             check(kind, obj)
-            if (
-                (kind != "generate" and obj.get("model") is None)
-                or None in obj.values()
-                or _f32_underflow(obj.get("top_p"))
-                or _top_k_off(obj.get("top_k"))
-            ):
-                # kvfence reads a null field as absent; the router's types refuse a null
-                # where they want a value (`"echo": null` is a 422, seen live), so nulls are
-                # dropped. A single server takes no model to mean its own; the router
-                # refuses a completion without one (422) and sends a chat on as model
-                # "unknown" (404), so the served model is filled in.
-                # top_k 0 is "off" to kvfence (as -1 is); the router's chat refuses 0, and an
-                # absent top_k is off on both.
-                sent = {
-                    k: v
-                    for k, v in obj.items()
-                    if v is not None and not (k == "top_k" and _top_k_off(v))
-                }
-                if kind != "generate":
-                    sent.setdefault("model", self.spec.model)
-                if _f32_underflow(sent.get("top_p")):
-                    # The router carries top_p as an f32, where this value is 0, which a
-                    # worker refuses. Every top_p at or below the top token's probability
-                    # (>= 1/vocab) keeps that token alone, so the smallest normal f32 asks
-                    # for exactly the same sampling.
-                    sent["top_p"] = FLT_MIN
-                body = json.dumps(sent).encode()
+            body = for_router(kind, obj, self.spec.model) or body
             upstream = self.client.build_request(
                 "POST", self.spec.router + request.url.path, headers=headers, content=body
             )
@@ -389,33 +356,6 @@ async def _first_event(answer: httpx.Response) -> bytes:
         if b"\n\n" in content or len(content) > REFUSAL_BYTES:
             break
     return content
-
-
-def _top_k_off(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value == 0
-
-
-def _f32_underflow(value: object) -> bool:
-    return isinstance(value, float) and 0.0 < value < FLT_MIN
-
-
-def check(kind: Route, obj: Mapping[str, Any]) -> None:
-    """kvfence's verdict on the client's own body (a 400 naming the field), before the router."""
-    if kind == "chat":
-        protocol.parse_chat(split_router_fields(dict(obj), "chat", False)[0])
-        return
-    body, _ = split_router_fields(dict(obj), "completion", False)  # `rid`, bootstrap fields
-    if kind == "generate":
-        completion_body(body)
-        return
-    protocol.parse_completion(body)
-    if isinstance(body.get("prompt"), list):
-        raise bad_request(
-            "`prompt` must be text here: sglang-router 0.3.2 takes no token ids on "
-            "/v1/completions (send them to /generate as `input_ids`)",
-            "prompt",
-            "unsupported_value",
-        )
 
 
 def _refused(envelope: dict[str, Any], status: int) -> Response:
