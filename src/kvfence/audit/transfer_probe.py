@@ -89,9 +89,14 @@ class Probe:
         for url in self.tokenizers:
             ids = self.client(url, "a").tokenize(words)
             if ids and len(ids) >= head:
+                self._first(url)
                 return ids[:head] + tail
         lo, hi = TOKEN_RANGE
         return [self.ctx.rng.randrange(lo, hi) for _ in range(head)] + tail
+
+    def _first(self, url: str) -> None:
+        """Ask the route that answered first from now on (each miss costs a request)."""
+        self.tokenizers = (url, *(u for u in self.tokenizers if u != url))
 
     def text(self, ids: list[int]) -> str | None:
         """The text that tokenizes back to exactly `ids` (for text-only routers), or None."""
