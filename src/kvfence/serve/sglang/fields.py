@@ -10,9 +10,10 @@ defaults (`ROUTER_DEFAULTS`). It forwards a client's `rid` unchanged.
 I9: rooms and request ids are made by a server, never taken from a client.
 So `rid` is refused everywhere, and the bootstrap fields are honoured only on
 the router's authenticated path (`gate.py`); on any other path they are a 400
-that names the field. The SGLang options kvfence does not implement are
-accepted only at the value the router writes when the client gave none; any
-other value is a 400 (never a field accepted and ignored).
+that names the field (only the lab's `decode-trusts-bootstrap` switch lets a
+decode worker take them from a client, routing.py). The SGLang options kvfence
+does not implement are accepted only at the value the router writes when the
+client gave none; any other value is a 400 (never a field accepted and ignored).
 """
 
 from __future__ import annotations
