@@ -71,7 +71,13 @@ def parse_listen(addr: str) -> tuple[str, int]:
     default=None,
     help="tenant B's API key",
 )
-@click.option("--operator-key", envvar="KVFENCE_AUDIT_OPERATOR_KEY", show_envvar=True, default=None)
+@click.option(
+    "--operator-key",
+    envvar="KVFENCE_AUDIT_OPERATOR_KEY",
+    show_envvar=True,
+    default=None,
+    help="reads /metrics and /server_info (operator data on kvfence)",
+)
 @click.option(
     "--interval", type=click.FloatRange(0.1), default=_DEFAULTS.interval_s, show_default=True
 )
