@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml constraints.txt $(wildcard src/kvfence/model/csrc/*.cpp
 	$(BIN)/pip install -q --upgrade pip
 	# constraints.txt pins the CPU torch 2.13.0 that lies on disk (never the CUDA build).
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev,pd]'
-	# The C++ kernels (paged decode, small linear; g++ -fopenmp; seconds): kvfence/model/paged_cpu.py.
+	# The C++ kernels (paged decode, small linear; g++; seconds), built here so no engine start
+	# pays for it; a pip install builds them on first use instead (kvfence/model/kernel_build.py).
 	@command -v g++ >/dev/null || { sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q g++; }
 	$(BIN)/python -m kvfence.model.paged_cpu build
