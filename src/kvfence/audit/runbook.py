@@ -57,9 +57,10 @@ CHECK_MODULES: tuple[tuple[str, str], ...] = (
     ("transfer_reference", "transfer_reference"),
 )
 ALL_CHECKS: tuple[str, ...] = tuple(name for name, _ in CHECK_MODULES)
-# The main job's checks: its two kvfence targets hand out no transfer reference to a tenant
-# (kvfence refuses `kv_transfer_params` like any unknown field), so that check has nothing
-# to show there.
+# The main job's checks: its two targets are kvfence's hub, which makes every transfer room
+# itself and refuses a client's transfer fields (vLLM's or SGLang's) with a 400, lab switch
+# or not: transfer_reference passes on both and tells the demo nothing (its lab proof is the
+# sglang-router stack under `decode-trusts-bootstrap`).
 EMBEDDED_CHECKS: tuple[str, ...] = tuple(n for n in ALL_CHECKS if n != "transfer_reference")
 # Checks that never overlap any other audit traffic: latency and prefix sharing test
 # durations (TTFT), and noninterference's verdict rests on how A's load interleaves with
