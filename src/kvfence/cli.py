@@ -214,6 +214,28 @@ def demo_outcome(report: dict[str, Any]) -> tuple[list[str], bool]:
 )
 @click.option("--context", "context_length", type=int, default=TINY_CONTEXT, show_default=True)
 @click.option("--headroom", type=float, default=DEFAULT_HEADROOM, show_default=True)
+@click.option(
+    "--target",
+    metavar="[NAME=]URL",
+    default=None,
+    help="gate a running engine instead: its live pool and context read over HTTP (the "
+    "audit's capacity check; --context overrides the engine's own); exit 2 when it cannot "
+    "read them",
+)
+@click.option(
+    "--operator-key",
+    envvar="KVFENCE_AUDIT_OPERATOR_KEY",
+    show_envvar=True,
+    default=None,
+    help="with --target: the key that reads the engine's pool (/metrics, /server_info)",
+)
+@click.option(
+    "--max-seconds",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="with --target: how long the reading may take",
+)
 def gate(
     layers: int,
     kv_heads: int,
@@ -224,8 +246,19 @@ def gate(
     pool_tokens: int | None,
     context_length: int,
     headroom: float,
+    target: str | None,
+    operator_key: str | None,
+    max_seconds: float,
 ) -> None:
-    """Print the capacity gate's report (I4); exit 1 when the pool cannot hold the context."""
+    """Print the capacity gate's report (I4); exit 1 when the pool cannot hold the context.
+
+    On numbers (a geometry and a KV budget, or --pool-tokens), or with --target on a running
+    engine of any kind (vLLM, SGLang, llama.cpp, kvfence): the check a pod's readiness
+    probe runs before the engine takes traffic.
+    """
+    if target is not None:
+        _gate_live(target, operator_key, max_seconds, context_length, headroom)
+        return
     try:
         geometry = KVGeometry(layers, kv_heads, head_dim, page_size, dtype)
         budget = MemoryBudget(kv_bytes=kv_bytes)
@@ -248,6 +281,29 @@ def gate(
     except ValueError as e:  # negative pool, context <= 0, headroom < 1
         raise click.UsageError(str(e)) from None
     click.echo(decision.report.message())
+
+
+def _gate_live(
+    target: str, operator_key: str | None, max_seconds: float, context: int, headroom: float
+) -> None:
+    """The audit's capacity check alone on `target`; exits with the audit's code."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context()
+    numbers = ("layers", "kv_heads", "head_dim", "page_size", "dtype", "kv_bytes", "pool_tokens")
+    given = [n for n in numbers if ctx.get_parameter_source(n) is ParameterSource.COMMANDLINE]
+    if given:
+        flags = ", ".join("--" + n.replace("_", "-") for n in given)
+        raise click.UsageError(f"--target reads the engine's live pool; drop {flags}")
+    args = ["--target", target, "--checks", "capacity", "--headroom", str(headroom)]
+    args += ["--max-seconds", str(max_seconds), "--quiet"]
+    if ctx.get_parameter_source("context_length") is ParameterSource.COMMANDLINE:
+        args += ["--context", str(context)]
+    if operator_key is not None:
+        args += ["--operator-key", operator_key]
+    audit = main.get_command(ctx, "audit")
+    assert audit is not None
+    audit.main(args=args, prog_name="kvfence gate", standalone_mode=True)
 
 
 @main.command("make-model")

@@ -60,11 +60,8 @@ def test_the_gate_probes_its_own_engine_on_localhost(name: str) -> None:
     pod, on loopback, at the port the engine listens on."""
     (dep,) = (d for d in engine_deployments() if d["metadata"]["name"] == name)
     parsed = parse_kvfence(gate_probe(dep))
-    assert parsed.path == ("audit",)
-    assert parsed.params["checks"] == "capacity"
-    assert parsed.params["fail_on_inconclusive"]  # unknown facts keep the pod un-Ready
-    (target,) = parsed.params["targets"]
-    url = urlsplit(target.split("=", 1)[1])
+    assert parsed.path == ("gate",)  # the live gate: the audit's capacity check, failing closed
+    url = urlsplit(parsed.params["target"].split("=", 1)[1])
     engine = next(c for c in containers(dep) if c["name"] == "engine")
     assert url.hostname == "127.0.0.1"
     assert url.port == engine["ports"][0]["containerPort"]
@@ -115,7 +112,7 @@ def test_the_gate_reads_the_operator_key_from_the_secret(name: str) -> None:
     (dep,) = (d for d in engine_deployments() if d["metadata"]["name"] == name)
     (gate,) = (c for c in containers(dep) if c["name"] == "kvfence-gate")
     (var,) = gate["env"]
-    assert var["name"] in envvars_of("audit") and "OPERATOR" in var["name"]
+    assert var["name"] in envvars_of("gate") and "OPERATOR" in var["name"]
     assert var["valueFrom"]["secretKeyRef"]["key"] == "operator-key"
 
 
