@@ -128,6 +128,12 @@ def matrix(
         also = FaultSet.parse(also_faults)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--also-fault") from None
+    if topology != "single":
+        from kvfence.serve.transfer.native import missing_native
+
+        missing = missing_native(transport)
+        if missing is not None:
+            raise click.UsageError(missing)
 
     def progress(i: int, n: int, row: MatrixRow) -> None:
         console.print(

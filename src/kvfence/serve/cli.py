@@ -264,6 +264,11 @@ def serve(
     quiet_torch_import()  # before any role imports torch; children inherit it
     if disaggregated or role is not None:
         from kvfence.serve.pd.cli import pd_main
+        from kvfence.serve.transfer.native import missing_native
+
+        missing = missing_native(transport)
+        if missing is not None:
+            raise click.UsageError(missing)
 
         sys.exit(pd_main(params, faults, tenants, model_dir, announce))
     _serve_local(params, faults, tenants, model_dir, sizes)
