@@ -23,8 +23,9 @@ import pytest
 from click.testing import CliRunner
 from sglang_worker import SglangWorker, WorkerSpec
 
-from kvfence.audit.base import AuditContext, Verdict, run_check
+from kvfence.audit.base import Verdict
 from kvfence.audit.capacity import CapacityCheck
+from kvfence.audit.check import AuditContext, run_check
 from kvfence.audit.targets.registry import detect
 from kvfence.cli import main
 from kvfence.serve.supervisor import free_port

@@ -17,8 +17,9 @@ import pytest
 from audit_servers import KEY_A, KEY_B, KEY_OP, Server
 from click.testing import CliRunner
 
-from kvfence.audit.base import AuditContext, Budget, Fact, run_check
+from kvfence.audit.base import Budget, Fact
 from kvfence.audit.boundary import BoundaryCheck
+from kvfence.audit.check import AuditContext, run_check
 from kvfence.audit.targets.kvfence import KvfenceTarget
 from kvfence.cli import main
 

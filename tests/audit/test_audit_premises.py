@@ -22,8 +22,9 @@ from audit_replay import FIXTURES, ReplayServer, Route
 from audit_servers import KEY_A, KEY_B, KEY_OP, LARGE, Server, start, stop, wait_ready
 
 from kvfence.audit import premises
-from kvfence.audit.base import AuditContext, Budget, CheckResult, Fact, Verdict, run_check, worst
+from kvfence.audit.base import Budget, CheckResult, Fact, Verdict, worst
 from kvfence.audit.capacity import CapacityCheck
+from kvfence.audit.check import AuditContext, run_check
 from kvfence.audit.client import ProbeClient
 from kvfence.audit.counters import CountersCheck
 from kvfence.audit.prefix_sharing import PrefixSharingCheck, PrefixSharingConfig

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 from audit_replay import FIXTURES, ReplayServer, Route
 
-from kvfence.audit.base import AuditContext, Budget, Verdict, run_check
+from kvfence.audit.base import Budget, Verdict
 from kvfence.audit.capacity import CapacityCheck
+from kvfence.audit.check import AuditContext, run_check
 from kvfence.audit.client import ProbeClient
 from kvfence.audit.counters import CountersCheck
 from kvfence.audit.targets.registry import detect

@@ -15,7 +15,8 @@ import pytest
 from audit_servers import KEY_A, KEY_B, KEY_OP, LARGE, Server, start, stop, wait_ready
 from small_vocab import VOCAB, small_vocab_checkpoint
 
-from kvfence.audit.base import AuditContext, Budget, Verdict, run_check
+from kvfence.audit.base import Budget, Verdict
+from kvfence.audit.check import AuditContext, run_check
 from kvfence.audit.counters import CountersCheck
 from kvfence.audit.noninterference import NoninterferenceCheck
 from kvfence.audit.noninterference_probes import NoninterferenceConfig

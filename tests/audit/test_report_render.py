@@ -31,7 +31,8 @@ import pytest
 from audit_servers import KEY_A, KEY_B, KEY_OP, Server
 
 from kvfence.audit import report
-from kvfence.audit.base import AuditContext, Budget, CheckResult, Verdict, run_check
+from kvfence.audit.base import Budget, CheckResult, Verdict
+from kvfence.audit.check import AuditContext, run_check
 from kvfence.audit.latency import analyse_log
 from kvfence.audit.prefix_sharing import PrefixSharingCheck, PrefixSharingConfig
 from kvfence.audit.runbook import AuditRun, TargetSummary, run_audit

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvfence.audit import runbook
-from kvfence.audit.base import AuditContext, Check, CheckResult, Verdict
+from kvfence.audit.base import CheckResult, Verdict
+from kvfence.audit.check import AuditContext, Check
 from kvfence.audit.client import ProbeClient
 from kvfence.audit.runbook import ALL_CHECKS, TIMED_CHECKS, run_audit
 from kvfence.audit.targets.base import Endpoints, Target, TargetFacts

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import pytest
 from audit_servers import KEY_A, KEY_B, KEY_OP, LARGE, Server, start, stop, wait_ready
 
-from kvfence.audit.base import AuditContext, Budget, Verdict, run_check
+from kvfence.audit.base import Budget, Verdict
+from kvfence.audit.check import AuditContext, run_check
 from kvfence.audit.targets.registry import detect
 from kvfence.audit.transfer_reference import TransferReferenceCheck
 

@@ -177,7 +177,7 @@ def test_a_check_that_cannot_load_fails_the_audit_instead_of_skipping(
 
 
 def test_alpha_is_split_over_the_statistical_checks_of_the_run() -> None:
-    from kvfence.audit.base import AuditContext
+    from kvfence.audit.check import AuditContext
 
     ctx = AuditContext(alpha=1e-3)
     assert ctx.alpha_for("latency") == pytest.approx(1e-3 / 3)

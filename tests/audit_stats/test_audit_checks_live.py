@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from kvfence.audit.base import AuditContext, Budget, CheckResult, Verdict, run_check
+from kvfence.audit.base import Budget, CheckResult, Verdict
+from kvfence.audit.check import AuditContext, run_check
 from kvfence.audit.latency import LatencyCheck, LatencyConfig
 from kvfence.audit.noninterference import NoninterferenceCheck, NoninterferenceConfig
 from kvfence.audit.prefix_sharing import PrefixSharingCheck, PrefixSharingConfig

@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from kvfence.audit.base import AuditContext, Budget, CheckResult, Verdict, run_check
+from kvfence.audit.base import Budget, CheckResult, Verdict
+from kvfence.audit.check import AuditContext, run_check
 from kvfence.audit.noninterference import NoninterferenceCheck, NoninterferenceConfig
 from kvfence.audit.targets.openai import OpenAITarget
 

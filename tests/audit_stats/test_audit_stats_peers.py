@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from kvfence.audit.base import AuditContext, Budget, CheckResult, Verdict, run_check
+from kvfence.audit.base import Budget, CheckResult, Verdict
+from kvfence.audit.check import AuditContext, run_check
 from kvfence.audit.noninterference import NoninterferenceCheck, NoninterferenceConfig
 from kvfence.audit.prefix_sharing import PrefixSharingCheck, PrefixSharingConfig
 from kvfence.audit.stats import SequentialDesign

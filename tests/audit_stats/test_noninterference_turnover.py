@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any
 
-from kvfence.audit.base import AuditContext
+from kvfence.audit.check import AuditContext
 from kvfence.audit.noninterference_probes import Answer, Load, NoninterferenceConfig, Probes
 from kvfence.audit.probe_response import ProbeResponse
 

@@ -12,10 +12,11 @@ import pytest
 from bench.peers import PeerServer, llamacpp_n_ctx, llamacpp_n_ctx_seq, vllm_pool_tokens
 from peer_helpers import LLAMA_CTX, LLAMA_SLOTS, PEER_TIMEOUT, VLLM_BLOCKS, VLLM_MAX_MODEL_LEN
 
-from kvfence.audit.base import AuditContext, Budget, Verdict, run_check
+from kvfence.audit.base import Budget, Verdict
 from kvfence.audit.boundary import BoundaryCheck
 from kvfence.audit.canary import CanaryCheck
 from kvfence.audit.capacity import CapacityCheck
+from kvfence.audit.check import AuditContext, run_check
 from kvfence.audit.targets.base import Target, TargetFacts
 from kvfence.audit.targets.registry import detect
 

@@ -19,7 +19,8 @@ from bench.peers import PeerCache, PeerServer
 from bench.peers.pd_fleet import VllmPdFleet, start_vllm_pd
 from peer_helpers import PEER_TIMEOUT
 
-from kvfence.audit.base import AuditContext, Budget, CheckResult, Verdict, run_check
+from kvfence.audit.base import Budget, CheckResult, Verdict
+from kvfence.audit.check import AuditContext, run_check
 from kvfence.audit.targets.registry import detect
 from kvfence.audit.transfer_reference import TransferReferenceCheck
 

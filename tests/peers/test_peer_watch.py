@@ -17,8 +17,9 @@ from bench.peers import PeerServer, llamacpp_n_ctx_seq, vllm_pool_tokens
 from click.testing import CliRunner, Result
 from peer_helpers import LLAMA_CTX, LLAMA_SLOTS, PEER_TIMEOUT, VLLM_MAX_MODEL_LEN
 
-from kvfence.audit.base import AuditContext, Budget, Verdict, run_check
+from kvfence.audit.base import Budget, Verdict
 from kvfence.audit.capacity import CapacityCheck
+from kvfence.audit.check import AuditContext, run_check
 from kvfence.audit.targets.registry import detect
 from kvfence.cli import main
 

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 from sgl_helpers import OPERATOR_KEY, Fleet, fleet
 
-from kvfence.audit.base import AuditContext, Budget, Verdict, run_check
+from kvfence.audit.base import Budget, Verdict
+from kvfence.audit.check import AuditContext, run_check
 from kvfence.audit.prefix_sharing import PrefixSharingCheck, PrefixSharingConfig
 from kvfence.audit.targets.routers import SglangRouterTarget
 

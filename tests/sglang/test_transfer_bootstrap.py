@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 from sgl_helpers import OPERATOR_KEY, Fleet, fleet, wait_quiet
 
-from kvfence.audit.base import AuditContext, Budget, CheckResult, Verdict, run_check
+from kvfence.audit.base import Budget, CheckResult, Verdict
+from kvfence.audit.check import AuditContext, run_check
 from kvfence.audit.targets.routers import SglangRouterTarget
 from kvfence.audit.transfer_reference import TransferReferenceCheck
 from kvfence.faults import Fault, FaultSet

@@ -19,15 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvfence.audit.base import (
-    AuditContext,
-    Check,
-    CheckResult,
-    Plot,
-    PlotSeries,
-    Verdict,
-    worst,
-)
+from kvfence.audit.base import CheckResult, Plot, PlotSeries, Verdict, worst
+from kvfence.audit.check import AuditContext, Check
 from kvfence.audit.client import ProbeClient, ProbeResponse
 from kvfence.audit.prompts import Prompt, PromptMaker
 from kvfence.audit.targets.base import Target, TargetFacts

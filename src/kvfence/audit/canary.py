@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfence.audit.base import AuditContext, Check, CheckResult, Verdict
+from kvfence.audit.base import CheckResult, Verdict
+from kvfence.audit.check import AuditContext, Check
 from kvfence.audit.client import ProbeClient, ProbeResponse
 from kvfence.audit.probe_length import OverLong, TokenCounter, over_bound
 from kvfence.audit.prompts import Prompt, PromptMaker, make_sentinel, random_words

@@ -20,7 +20,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvfence.audit.base import AuditContext, Check, CheckResult, Fact, Verdict, worst
+from kvfence.audit.base import CheckResult, Fact, Verdict, worst
+from kvfence.audit.check import AuditContext, Check
 from kvfence.audit.targets.base import SHARED_POOL_KEY, NodeFacts, Target, TargetFacts
 
 

@@ -26,7 +26,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvfence.audit import report
-from kvfence.audit.base import DEFAULT_ALPHA, DEFAULT_HEADROOM, AuditContext, Budget, CheckResult
+from kvfence.audit.base import DEFAULT_ALPHA, DEFAULT_HEADROOM, Budget, CheckResult
+from kvfence.audit.check import AuditContext
 from kvfence.audit.runbook import ALL_CHECKS, EMBEDDED_CHECKS, AuditRun, run_audit
 from kvfence.audit.target_names import TargetSpec, TargetSpecError, named_targets
 from kvfence.audit.targets.registry import ENGINE_CHOICES

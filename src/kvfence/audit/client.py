@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from kvfence.audit.base import Budget
+from kvfence.audit.budget import Budget
 from kvfence.audit.probe_response import ProbeResponse, absorb_openai
 
 __all__ = ["OPERATOR_PATHS", "ProbeClient", "ProbeResponse"]

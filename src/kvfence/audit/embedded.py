@@ -26,7 +26,8 @@ from types import MappingProxyType
 
 import httpx
 
-from kvfence.audit.base import DEFAULT_ALPHA, AuditContext, Budget, CheckResult
+from kvfence.audit.base import DEFAULT_ALPHA, Budget, CheckResult
+from kvfence.audit.check import AuditContext
 from kvfence.audit.runbook import EMBEDDED_CHECKS, AuditRun, preload_checks, run_audit
 from kvfence.audit.target_names import TargetSpec
 from kvfence.startup_wait import Probe, StartupBounds, wait_started

@@ -31,7 +31,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field, replace
 
-from kvfence.audit.base import AuditContext, Check, CheckResult, JSONValue, Verdict
+from kvfence.audit.base import CheckResult, JSONValue, Verdict
+from kvfence.audit.check import AuditContext, Check
 from kvfence.audit.client import ProbeClient
 from kvfence.audit.latency_analysis import (
     LatencyAnalysis,

@@ -26,7 +26,8 @@ import random
 from dataclasses import replace
 
 from kvfence.audit.alpha import fisher_repeats_for
-from kvfence.audit.base import AuditContext, Check, CheckResult, JSONValue, Verdict
+from kvfence.audit.base import CheckResult, JSONValue, Verdict
+from kvfence.audit.check import AuditContext, Check
 from kvfence.audit.noninterference_probes import Load, NoninterferenceConfig, Probes, Tally
 from kvfence.audit.stats import DivergenceTest, divergence_excess
 from kvfence.audit.targets.base import Target, TargetFacts

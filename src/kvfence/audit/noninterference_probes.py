@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfence.audit.base import AuditContext, JSONValue
+from kvfence.audit.base import JSONValue
+from kvfence.audit.check import AuditContext
 from kvfence.audit.client import ProbeClient, ProbeResponse
 
 

@@ -38,17 +38,8 @@ from dataclasses import replace
 
 from kvfence.audit import premises
 from kvfence.audit.alpha import evidence_scale, sequential_design_for
-from kvfence.audit.base import (
-    AuditContext,
-    Check,
-    CheckResult,
-    Fact,
-    JSONValue,
-    Plot,
-    PlotSeries,
-    Verdict,
-    worst,
-)
+from kvfence.audit.base import CheckResult, Fact, JSONValue, Plot, PlotSeries, Verdict, worst
+from kvfence.audit.check import AuditContext, Check
 from kvfence.audit.prefix_salt_routes import dropped_routes, salt_route_run
 from kvfence.audit.prefix_trials import (
     Arms,

@@ -28,16 +28,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
-from kvfence.audit.base import (
-    STATISTICAL_CHECKS,
-    AuditContext,
-    Budget,
-    Check,
-    CheckResult,
-    JSONValue,
-    Verdict,
-    run_check,
-)
+from kvfence.audit.base import STATISTICAL_CHECKS, Budget, CheckResult, JSONValue, Verdict
+from kvfence.audit.check import AuditContext, Check, run_check
 from kvfence.audit.counters import CountersCheck
 from kvfence.audit.run_record import AuditRun, TargetSummary
 from kvfence.audit.target_context import target_context

@@ -9,8 +9,8 @@ per target (a check's `requests_sent` is its own, not another thread's).
 
 from __future__ import annotations
 
-from kvfence.audit.base import AuditContext
 from kvfence.audit.budget import Budget
+from kvfence.audit.check import AuditContext
 
 
 class TargetBudget(Budget):

@@ -12,7 +12,8 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
-from kvfence.audit.base import AuditContext, JSONValue
+from kvfence.audit.base import JSONValue
+from kvfence.audit.check import AuditContext
 from kvfence.audit.client import ProbeClient, ProbeResponse
 from kvfence.audit.fleet import origin, parse_workers
 from kvfence.audit.prompts import random_words

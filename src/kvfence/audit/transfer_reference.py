@@ -36,7 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvfence.audit.base import AuditContext, Check, CheckResult, JSONValue, Verdict
+from kvfence.audit.base import CheckResult, JSONValue, Verdict
+from kvfence.audit.check import AuditContext, Check
 from kvfence.audit.targets.base import Target, parse_prometheus, samples_named
 from kvfence.audit.transfer_bootstrap import probe_bootstrap
 from kvfence.audit.transfer_probe import (

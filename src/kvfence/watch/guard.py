@@ -17,7 +17,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvfence.audit.base import AuditContext, Budget, CheckResult, Verdict, run_check
+from kvfence.audit.base import Budget, CheckResult, Verdict
+from kvfence.audit.check import AuditContext, run_check
 from kvfence.audit.runbook import load_check
 from kvfence.audit.targets.base import Target, TargetFacts, parse_prometheus
 from kvfence.audit.targets.registry import make_target
