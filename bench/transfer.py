@@ -13,10 +13,11 @@ of a few repetitions:
             TransferEngine over TCP; nixl: a UCX WRITE with a notification)
   recon     decode's reconcile (I3) after TransferDone: manifest checks +
             checksum compare, plus reading decode's pages where that read did not
-            happen during the transfer (shm). TCP checksums each MiB as it lands;
-            Mooncake and NIXL write 16 MiB chunks and decode checksums each
-            chunk of its own pages as the sender's P frame says it is written
-            (serve/transfer/granted.py), while the next chunk is in flight
+            happen during the transfer. TCP checksums each MiB as it lands; shared
+            memory (4 MiB chunks), Mooncake and NIXL (16 MiB) write in chunks and
+            decode checksums each chunk of its own pages as the sender's P frame
+            says it is written (serve/transfer/granted.py), while the next chunk
+            is written; the end reads the last chunk, inside the transfer's time
   verified  payload bytes / (transfer + recon), best of: the end-to-end rate at
             which KV becomes decodable, the figure that cannot be gamed by moving
             the read from one column to the other

@@ -1,6 +1,6 @@
-"""The transfer engines' pages are checksummed by decode as they land, chunk by chunk (I3).
+"""In-place writers' pages are checksummed by decode as they land, chunk by chunk (I3).
 
-Mooncake and NIXL write decode's pool in chunks; after each but the last the
+Shared memory, Mooncake and NIXL write decode's pool in chunks; after each but the last the
 sender says how far it got (a P frame) and decode reads those bytes of its own
 pages into the room's checksum while the next chunk is written; the end reads
 the rest. Here the chunks are 1000 bytes, so runs are cut mid-page and the
@@ -31,9 +31,10 @@ def test_chunks_cut_runs_in_order_and_cover_every_byte() -> None:
     assert chunked(runs, 0) == [(runs, 3210)] and chunked([], 1000) == []
 
 
-@pytest.mark.parametrize("transport", ["mooncake:1000", "nixl:1000"])
+@pytest.mark.parametrize("transport", ["shm:1000", "mooncake:1000", "nixl:1000"])
 def test_an_engine_transfer_is_checked_as_it_lands(transport: str) -> None:
-    pytest.importorskip("mooncake.engine" if transport.startswith("mooncake") else "nixl_cu12")
+    if not transport.startswith("shm"):
+        pytest.importorskip("mooncake.engine" if transport.startswith("mooncake") else "nixl_cu12")
     decode = Decode(transport)
     try:
         good, bad = decode.reserve("good"), decode.reserve("flip")
@@ -44,10 +45,10 @@ def test_an_engine_transfer_is_checked_as_it_lands(transport: str) -> None:
         assert err.value.field == "checksum"
         # Both rooms span many chunks; all but the last of each were read before its end.
         # (NIXL's notification may end a room before its last P frames are read: then the
-        # end reads those bytes; Mooncake's E frame always follows its P frames.)
+        # end reads those bytes; shared memory's and Mooncake's E frame follows their P frames.)
         per_room = -(-PROMPT * GEOM.bytes_per_token // 1000) - 1
         checked = decode.rx.chunks_checked  # type: ignore[attr-defined]
-        assert checked == 2 * per_room if transport.startswith("mooncake") else checked > 0
+        assert checked == 2 * per_room if not transport.startswith("nixl") else checked > 0
         decode.accept("good", good)
         assert landed_bytes_equal_source(decode, good, seed=3)
     finally:

@@ -93,10 +93,11 @@ def test_every_transfer_fault_is_refused_and_the_receiver_keeps_working(transpor
         assert {h.index for h in new.handles} == {h.index for h in old.handles}
         jobs = [job(old, seed=99)]
         # In-place senders checksum while they copy, so a source byte flipped before
-        # the copy is simply what was sent: in-process and shared memory (decode reads its
-        # pages after the end) get memory corruption after landing; the engines (decode reads
-        # as the P/E frames say bytes landed) get a byte flipped by the engine in transit.
-        flip_after_landing = transport in ("inprocess", "shm")
+        # the copy is simply what was sent: in-process (decode reads its pages after the
+        # end) gets memory corruption after landing; shared memory and the engines (decode
+        # reads as the P/E frames say bytes landed) get a byte flipped after the sender's
+        # checksum and before the frame that reports it written.
+        flip_after_landing = transport == "inprocess"
         for i, fault in enumerate(f for f in FAULTS if f != "stale"):
             res = decode.reserve(fault)
             if fault == "placeholder":

@@ -11,8 +11,10 @@ import dataclasses
 import json
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,6 +27,7 @@ from kvfence.serve.transfer import TransferRefused, framing, get_transport
 from kvfence.serve.transfer.base import InPlaceSender, KVSender, KVTransport
 from kvfence.serve.transfer.granted import GrantedSender
 from kvfence.serve.transfer.layout import Outgoing, PoolShape
+from kvfence.serve.transfer.shm import ShmSender
 
 GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
 PROMPT = 30  # tokens: 8 pages of 4, the last one partly filled
@@ -92,11 +95,35 @@ def flip_in_flight(sender: GrantedSender, out: Outgoing) -> None:
     sender.write = write  # type: ignore[method-assign]
 
 
+def flip_before_reported(sender: ShmSender, out: Outgoing) -> None:
+    """Decode's memory corrupted in place between the sender's copy (and its checksum) and
+    decode's read: a byte of page 1 flipped just before the first P or E frame, which
+    reports it written (page 1 lies inside any chunk of 512 bytes or more)."""
+    row = (out.positions == 1) & (out.kinds == 0)
+    offset = int(out.dst_offsets[row][0])
+    real = {"send_progress": sender.send_progress, "send_end": sender.send_end}
+
+    def flip_then(name: str) -> Callable[..., None]:
+        def report(*args: Any) -> None:
+            sender.dest[0][offset] ^= 0x10
+            for attr in real:  # once: the later reports go straight through
+                delattr(sender, attr)
+            real[name](*args)
+
+        return report
+
+    for name in real:
+        setattr(sender, name, flip_then(name))
+
+
 def run_job(sender: KVSender, job: Job, conn: Connection) -> tuple[str, str]:
     pool, handles = source_pool(job.seed)
     if job.tamper == "flip" and isinstance(sender, GrantedSender):
         out = sender.prepare(outbound(job, handles), pool)
         flip_in_flight(sender, out)
+    elif job.tamper == "flip" and isinstance(sender, ShmSender):
+        out = sender.prepare(outbound(job, handles), pool)
+        flip_before_reported(sender, out)
     else:
         out = tamper(sender.prepare(outbound(job, handles), pool), job.tamper)
     try:
@@ -121,7 +148,8 @@ def run_jobs(sender: KVSender, jobs: list[Job], conn: Connection) -> None:
 
 
 def make_transport(name: str) -> KVTransport:
-    """A backend by name; `mooncake:1000` is Mooncake writing (and announcing) 1000-byte chunks."""
+    """A backend by name; `mooncake:1000` is Mooncake writing (and announcing) 1000-byte
+    chunks (`shm:1000`, `nixl:1000` alike)."""
     base, _, chunk = name.partition(":")
     return get_transport(base, chunk_bytes=int(chunk)) if chunk else get_transport(base)
 

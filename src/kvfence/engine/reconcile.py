@@ -199,42 +199,43 @@ def _check_fields(manifest: TransferManifest, res: Reservation, pool: KVPool) ->
     ):
         if want != got:
             raise TransferMismatch(field, want, got)
-    for pos, (want_ref, got_ref) in enumerate(zip(res.refs, manifest.dest_pages, strict=True)):
-        if want_ref != got_ref:
+    # The handles themselves, not `res.refs`: building a PageRef per page costs more than
+    # the comparison on a long prompt.
+    for pos, (handle, ref) in enumerate(zip(res.handles, manifest.dest_pages, strict=True)):
+        if handle.index != ref.index or handle.generation != ref.generation:
             raise TransferMismatch(
                 f"dest_pages[{pos}]",
-                f"page {want_ref.index} gen {want_ref.generation}",
-                f"page {got_ref.index} gen {got_ref.generation}",
+                f"page {handle.index} gen {handle.generation}",
+                f"page {ref.index} gen {ref.generation}",
             )
 
 
 def _check_current(res: Reservation, pool: KVPool) -> None:
     """The reserved pages are still this request's, at the granted generation (not released meanwhile)."""
-    idx = torch.tensor([h.index for h in res.handles], dtype=torch.int64)
-    gens = torch.tensor([h.generation for h in res.handles], dtype=torch.int64)
-    owners = torch.tensor([h.owner for h in res.handles], dtype=torch.int64)
-    ok = (
-        (pool.state[idx] == PageState.USED)
-        & (pool.generation[idx] == gens)
-        & (pool.owner[idx] == owners)
-    )
-    if not bool(ok.all()):
-        pos = int((~ok).nonzero()[0, 0])
-        h = res.handles[pos]
-        raise TransferMismatch(
-            f"ledger page {h.index}",
-            f"{pool.label(h.owner)} gen {h.generation} used",
-            f"{pool.label(int(pool.owner[h.index]))} gen {int(pool.generation[h.index])} "
-            f"{PageState(int(pool.state[h.index])).name.lower()}",
-        )
+    # Page by page over numpy views of the ledger's columns: a reservation is a handful of
+    # pages to a few hundred, and right after a transfer (caches cold) each torch call's
+    # fixed cost was most of a short transfer's reconciliation.
+    state, generation, owner = (_column(c) for c in (pool.state, pool.generation, pool.owner))
+    used = int(PageState.USED)
+    for h in res.handles:
+        i = h.index
+        if state[i] != used or generation[i] != h.generation or owner[i] != h.owner:
+            raise TransferMismatch(
+                f"ledger page {i}",
+                f"{pool.label(h.owner)} gen {h.generation} used",
+                f"{pool.label(int(owner[i]))} gen {int(generation[i])} "
+                f"{PageState(int(state[i])).name.lower()}",
+            )
+
+
+def _column(t: torch.Tensor) -> np.ndarray:
+    """A ledger column as numpy, without a copy where it lives in CPU memory."""
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
 
 
 def _mark_landed(manifest: TransferManifest, res: Reservation, pool: KVPool) -> None:
     """Slots written = what the manifest says landed, within the reserved pages only."""
     n_pages = min(pool.geometry.pages_for(max(manifest.num_tokens, 0)), res.num_pages)
-    if n_pages == 0:
-        return
-    pos = torch.arange(n_pages, dtype=torch.int64)
-    upto = (manifest.num_tokens - pos * pool.page_size).clamp(0, pool.page_size)
-    pages = torch.tensor([h.index for h in res.handles[:n_pages]], dtype=torch.int64)
-    pool.mark_written(pages, upto)
+    size = pool.page_size
+    upto = [min(max(manifest.num_tokens - pos * size, 0), size) for pos in range(n_pages)]
+    pool.mark_pages_written([h.index for h in res.handles[:n_pages]], upto)

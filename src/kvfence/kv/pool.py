@@ -206,6 +206,14 @@ class KVPool(OwnershipLedger):
         """Record that slots [0, upto) of each page now hold data (once per step, not per layer)."""
         self.written.scatter_reduce_(0, pages, upto.to(torch.int64), reduce="amax")
 
+    def mark_pages_written(self, pages: Sequence[int], upto: Sequence[int]) -> None:
+        """`mark_written` for a few pages given as ints (one landed transfer): page by page,
+        since one torch scatter's fixed cost exceeds the whole loop for a short prompt."""
+        written = self.written.numpy()
+        for page, n in zip(pages, upto, strict=True):
+            if written[page] < n:
+                written[page] = n
+
     # ---- I1: the read check ------------------------------------------------------------------
 
     def verify(self, batch: BatchPages) -> None:

@@ -43,17 +43,17 @@ carries the remote memory descriptors instead of a /dev/shm path.
 `Outgoing.copy_runs()` already yields (kind, src offset, dst offset, length)
 runs, merged where contiguous on both sides: they map one to one onto a
 NIXL transfer descriptor list or Mooncake `batch_transfer_sync_write`
-requests. The grant / end handshake stays on the control socket
-(the shared-memory backend's `B`/`G`/`E` frames, `E` carrying the checksum
-the sender computed while posting the writes), the receiver reports
-`Landed(checksum=None)` and decode checksums its own pages before decoding;
-a device-side checksum kernel would replace `payload_checksum` on GPU pools.
-Nothing above the transport changes.
+requests. The grant / progress / end handshake stays on the control socket
+(`granted.py`: `B`/`G`, a `P` per chunk written, `E` carrying the checksum
+the sender computed while posting the writes), and the receiver checksums its
+own pages as each `P` and the `E` say they are written; a device-side checksum
+kernel would do that read on GPU pools. Nothing above the transport changes.
 
 Cost of the independent check: where the sender writes in place, decode must
 read every landed byte once to checksum it (about one memcpy-read of the
-payload); over TCP the receiver checksums each MiB as it lands, so
-reconciliation itself is only the manifest comparison (bench/transfer.py).
+payload), done chunk by chunk while the next chunk is written; over TCP the
+receiver checksums each MiB as it lands. Either way reconciliation itself is
+only the manifest comparison (bench/transfer.py).
 """
 
 from __future__ import annotations

@@ -126,10 +126,6 @@ def parse_end(body: bytes) -> tuple[str, str]:
 class GrantingReceiver(ListeningReceiver):
     """Decode's half: grants rooms on the control socket; the engine writes the pages."""
 
-    # True: checksum the pages here as P frames say they are written (the engines); False:
-    # `Landed(checksum=None)` and decode reads its pages after the end (shared memory).
-    verify_as_landed = True
-
     def __init__(self, pool: KVPool, host: str = "127.0.0.1", port: int = 0) -> None:
         self._granted: dict[str, _Grant] = {}
         self.chunks_checked = 0  # P frames whose bytes were read before the end (bench, tests)
@@ -213,8 +209,8 @@ class GrantingReceiver(ListeningReceiver):
             if entry is None or entry.engine != engine:
                 return False
             del self._granted[room]
-            # The bytes since the last P, read here (I3); or all of them by decode, later.
-            measured = entry.landed.finish() if self.verify_as_landed else None
+            # The bytes since the last P (all of them where none came), read here (I3).
+            measured = entry.landed.finish()
         self.book.landed(dataclasses.replace(entry.manifest, checksum=checksum), measured)
         return True
 
@@ -222,7 +218,7 @@ class GrantingReceiver(ListeningReceiver):
         """The sender's engine wrote the room's first `upto` bytes: checksum them now (I3)."""
         with self._granted_lock:
             entry = self._granted.get(room)
-            if entry is not None and self.verify_as_landed:  # else ended already (NIXL)
+            if entry is not None:  # else ended already (NIXL)
                 entry.advance(upto)
                 self.chunks_checked += 1
 

@@ -11,6 +11,7 @@ what decode verifies (I3).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,7 +161,11 @@ COPY_CHUNK = 1 << 20  # copy then checksum a MiB at a time, while it is still in
 
 
 def copy_runs_into(
-    out: Outgoing, dst: tuple[memoryview, memoryview], src: tuple[memoryview, memoryview]
+    out: Outgoing,
+    dst: tuple[memoryview, memoryview],
+    src: tuple[memoryview, memoryview],
+    progress: Callable[[int], None] | None = None,
+    every: int = 0,
 ) -> str:
     """Write a prepared transfer straight into destination memory; return the source checksum.
 
@@ -171,17 +176,27 @@ def copy_runs_into(
     the arrays changed after `prepare_outgoing` (the transport tests tamper with them:
     a truncated, duplicated or reordered payload), a cursor walks the canonical runs
     beside the copy instead.
+
+    `progress(upto)` is called each time another `every` bytes are written (never after
+    the last piece): the first `upto` payload bytes are in place, in canonical order, so
+    the receiver may read them while the rest is copied. A tampered layout reports none.
     """
     runs = out.copy_runs()
     if out.src_runs() != out.canonical:
         return _copy_beside_cursor(out, runs, dst, src)
+    total = sum(n for *_, n in runs)
     h = StreamChecksum()
     update = h.update
+    done = reported = 0
     for kind, s, d, n in runs:
         for start in range(s, s + n, COPY_CHUNK):
             piece = src[kind][start : min(start + COPY_CHUNK, s + n)]
             dst[kind][d + start - s : d + start - s + len(piece)] = piece
             update(piece)
+            done += len(piece)
+            if progress is not None and every > 0 and done - reported >= every and done < total:
+                progress(done)
+                reported = done
     return h.hexdigest()
 
 

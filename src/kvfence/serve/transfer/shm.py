@@ -8,13 +8,17 @@ grant handshake of `granted.py` (`GrantingReceiver`, `GrantClient`). Per transfe
   sender -> B(manifest)   may I write this room's pages?
   decode -> G | D(why)    granted only for an expected room whose reserved
                           handles are exactly the manifest's destination pages
-  sender writes the pages directly into the mapping
+  sender writes the pages directly into the mapping, in canonical order
+  sender -> P(room, upto) after each `chunk_bytes` but the last: the first `upto`
+                          payload bytes are written
   sender -> E(room, sum)  done: nothing more will land; the checksum of what it
                           wrote, computed while copying
 
-Decode learns what landed only from E; it then checksums its own pages
-(`Landed.checksum is None`). A sender that dies between G and E is detected
-by the closed socket and its rooms are confirmed ended (I7).
+Decode checksums its OWN pages (I3), as the engines' receivers do (`granted.py`): on
+each P it reads the newly written bytes while the sender copies the next chunk (the
+two roles on two cores), and on E the rest. Reconciliation is then the manifest
+comparison, not a second pass over the payload after the end. A sender that dies
+between G and E is detected by the closed socket and its rooms are confirmed ended (I7).
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ from kvfence.serve.transfer.granted import GrantClient, GrantingReceiver, end_bo
 from kvfence.serve.transfer.layout import Outgoing, copy_runs_into
 
 log = logging.getLogger(__name__)
+# A P frame per 4 MiB: decode's read of a chunk (xxh3, well above the copy's rate) is done
+# before the next one is copied, and what is left to read after E is at most this much.
+SHM_CHUNK_BYTES = 4 << 20
 
 
 def map_storage(
@@ -66,7 +73,6 @@ class ShmReceiver(GrantingReceiver):
     """Decode's half: the grant handshake of `granted.py`; the hello names the shared file."""
 
     scheme = "shm"
-    verify_as_landed = False  # the sender copies with the CPU and sends no P: decode reads after
 
     def __init__(self, pool: KVPool, path: str, host: str = "127.0.0.1", port: int = 0) -> None:
         self.path = path
@@ -85,17 +91,26 @@ class ShmReceiver(GrantingReceiver):
 
 class ShmSender(GrantClient):
     """Prefill's half: maps decode's file from the hello and, once granted, copies the pages
-    into it itself, checksumming each chunk as it copies (one pass over the payload)."""
+    into it itself, checksumming each piece as it copies (one pass over the payload) and
+    telling decode after each `chunk_bytes` how far it got."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, chunk_bytes: int = SHM_CHUNK_BYTES) -> None:
         super().__init__(address, "shm")
+        self.chunk_bytes = chunk_bytes
         shape = self.dest_shape
         k, v = map_storage(self.hello["path"], shape.geometry, shape.num_pages, create=False)
         self._storage = (k, v)  # keeps the mapping alive as long as the sender
-        self._dest = byte_views(KVPool(shape.geometry, shape.num_pages, storage=(k, v)))
+        # Decode's K and V bytes as mapped here: where this sender writes.
+        self.dest = byte_views(KVPool(shape.geometry, shape.num_pages, storage=(k, v)))
 
     def complete(self, out: Outgoing) -> None:
-        checksum = copy_runs_into(out, self._dest, byte_views(out.src_pool))
+        room = out.manifest.room
+
+        def progress(upto: int) -> None:
+            self.send_progress(room, upto)
+
+        src = byte_views(out.src_pool)
+        checksum = copy_runs_into(out, self.dest, src, progress, self.chunk_bytes)
         out.manifest = dataclasses.replace(out.manifest, checksum=checksum)
         self.send_end(end_body(out.manifest.room, checksum))
 
@@ -103,10 +118,17 @@ class ShmSender(GrantClient):
 class ShmTransport(KVTransport):
     name = "shm"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, directory: str = "/dev/shm") -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        directory: str = "/dev/shm",
+        chunk_bytes: int = SHM_CHUNK_BYTES,
+    ) -> None:
         self.host = host
         self.port = port
         self.directory = directory
+        self.chunk_bytes = chunk_bytes  # 0: no P frames, decode reads every byte after the end
         self._paths: dict[int, str] = {}  # data pointer of a pool's K storage -> its file
 
     def create_pool(self, geometry: KVGeometry, num_pages: int, **pool_options: Any) -> KVPool:
@@ -123,4 +145,4 @@ class ShmTransport(KVTransport):
         return ShmReceiver(pool, path, self.host, self.port)
 
     def sender(self, address: str) -> ShmSender:
-        return ShmSender(address)
+        return ShmSender(address, self.chunk_bytes)
