@@ -175,3 +175,25 @@ def test_failure_message_names_everything() -> None:
     text = str(err)
     assert text.startswith("vllm at http://127.0.0.1:1/v1/models: stalled after 12 s waiting")
     assert "load average" in text and text.endswith("last log lines:\na\nb")
+
+
+def test_a_stack_whose_worker_dies_fails_at_once_naming_it(tmp_path: Path) -> None:
+    """The sglang stack's start-up waits follow each part: a worker that exits at start ends
+    the wait with its log, well inside the stall window, instead of waiting out a deadline."""
+    from kvfence.serve.sglang.stack import Stack, StackError, StackSpec
+
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text('{"tenants": [{"name": "a", "keys": ["sk-tenant-a-0123456789"]}]}')
+    spec = StackSpec(
+        worker_args=("--model-kind", "mirror", "--kv-pages", "nonsense"),
+        tenants_file=tenants,
+        startup=StartupBounds(stall_s=120.0, cap_s=600.0),
+    )
+    t0 = time.monotonic()
+    with pytest.raises(StackError) as err, Stack(spec, workdir=tmp_path):
+        pass
+    assert time.monotonic() - t0 < 60.0
+    text = str(err.value)
+    assert text.startswith("prefill-0 to announce its address: the process exited with")
+    assert "--kv-pages" in text  # the worker's own complaint, from its log
+    assert "load average" in text

@@ -25,8 +25,7 @@ import secrets
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -39,6 +38,7 @@ from kvfence.serve.sglang.gate import router_url
 from kvfence.serve.sglang.router_main import ARGS_ON_STDIN
 from kvfence.serve.supervisor import Supervisor, free_port, spawn
 from kvfence.serve.tenants import TenantRegistry
+from kvfence.startup_wait import Probe, StartupBounds, StartupFailed, wait_started
 
 ANNOUNCE = "KVFENCE_SGLANG_WORKER "  # worker.ANNOUNCE (kept torch-free here)
 PRIVATE_HOST = "127.0.0.1"  # the router's own listener: reached by the edge and the operator
@@ -67,7 +67,8 @@ class StackSpec:
     host: str = "127.0.0.1"
     port: int = 0  # the public (edge's) port; 0 = a free one
     router_args: tuple[str, ...] = ()
-    startup_timeout_s: float = 180.0
+    # Each part's start-up wait follows it (its log, its CPU time), see kvfence.startup_wait.
+    startup: StartupBounds = field(default_factory=lambda: StartupBounds(poll_s=0.02))
     worker_env: tuple[tuple[str, str], ...] = ()  # extra environment for the workers (lab hooks)
     # False: the router itself on the public address with its control plane open, as
     # sglang-router ships; only to measure the edge and to show what it prevents (tests).
@@ -125,21 +126,20 @@ class Stack:
         if self.spec.edge:
             edge = [sys.executable, "-m", "kvfence.serve.sglang.edge_main", ARGS_ON_STDIN]
             self._spawn("edge", edge, stdin=subprocess.PIPE)
-        deadline = time.monotonic() + self.spec.startup_timeout_s
-        self.workers = [self._announced(n, r, deadline) for n, r in zip(names, roles, strict=True)]
+        self.workers = [self._announced(n, r) for n, r in zip(names, roles, strict=True)]
         if not self.spec.edge:
             port = self.spec.port or free_port(self.spec.host)
             self._hand("sglang-router", json.dumps(self._router_args(self.spec.host, port)))
             self.url = self.admin_url = f"http://{self.spec.host}:{port}"
-            self._wait_registered(deadline)
+            self._wait_registered()
             return
         self.admin_keys = self._operator_keys() if self.spec.keyed_control_plane else ()
         port = free_port(PRIVATE_HOST)
         self._hand("sglang-router", json.dumps(self._router_args(PRIVATE_HOST, port)))
         self.admin_url = f"http://{PRIVATE_HOST}:{port}"
-        self._wait_registered(deadline)
+        self._wait_registered()
         self._hand("edge", self._edge_args(secret_file).to_json())
-        self.url = self._edge_announced(deadline)
+        self.url = self._edge_announced()
 
     def router_url_of(self, worker: Worker) -> str:
         return router_url(worker.url, self.secret)
@@ -210,14 +210,8 @@ class Stack:
             longest=min(int(f["max_req_input_len"]) for f in prefill),
         )
 
-    def _edge_announced(self, deadline: float) -> str:
-        while time.monotonic() < deadline:
-            for line in self.log("edge").splitlines():
-                if line.startswith(EDGE_ANNOUNCE):
-                    return str(json.loads(line[len(EDGE_ANNOUNCE) :])["url"])
-            self._check_alive("edge")
-            time.sleep(0.02)
-        raise StackError(f"the edge did not start in time:\n{self.log('edge')[-3000:]}")
+    def _edge_announced(self) -> str:
+        return str(self._line_after("edge", EDGE_ANNOUNCE, "its address")["url"])
 
     def _router_args(self, host: str, port: int) -> list[str]:
         argv = ["--pd-disaggregation"]
@@ -261,34 +255,46 @@ class Stack:
             self._check_alive(name)  # it ended: say how, with its log
             raise StackError(f"{name} closed its stdin before taking its arguments") from None
 
-    def _announced(self, name: str, role: str, deadline: float) -> Worker:
-        while time.monotonic() < deadline:
-            for line in self.log(name).splitlines():
-                if line.startswith(ANNOUNCE):
-                    facts: dict[str, Any] = json.loads(line[len(ANNOUNCE) :])
-                    return Worker(name, role, facts["url"], facts["bootstrap_port"])
-            self._check_alive(name)
-            time.sleep(0.02)  # a log read: the stack's start-up waits on this poll
-        raise StackError(f"{name} did not start in time:\n{self.log(name)[-3000:]}")
+    def _announced(self, name: str, role: str) -> Worker:
+        facts = self._line_after(name, ANNOUNCE, "its address")
+        return Worker(name, role, facts["url"], facts["bootstrap_port"])
 
-    def _wait_registered(self, deadline: float) -> None:
+    def _line_after(self, name: str, prefix: str, what: str) -> dict[str, Any]:
+        """The JSON a child prints after `prefix` once it listens, waiting as it starts."""
+        found: list[dict[str, Any]] = []
+
+        def probe() -> Probe:
+            for line in self.log(name).splitlines():
+                if line.startswith(prefix):
+                    found.append(json.loads(line[len(prefix) :]))
+                    return Probe(True)
+            return Probe(False)
+
+        self._wait(name, f"{name} to announce {what}", probe)
+        return found[0]
+
+    def _wait_registered(self) -> None:
         import httpx  # here: importing it delayed every worker's spawn by ~0.1 s
 
-        while time.monotonic() < deadline:
-            self._check_alive("sglang-router")
+        def probe() -> Probe:
             try:
                 auth = {"Authorization": f"Bearer {self.admin_keys[0]}"} if self.admin_keys else {}
                 r = httpx.get(f"{self.admin_url}/workers", headers=auth, timeout=2)
                 listed = r.json().get("workers", [])
-                healthy = [w for w in listed if w.get("is_healthy")]
-                if len(healthy) == len(self.workers):
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.05)
-        raise StackError(
-            f"sglang-router did not register every worker:\n{self.log('sglang-router')[-3000:]}"
-        )
+            except (httpx.HTTPError, ValueError) as e:
+                return Probe(False, type(e).__name__)
+            healthy = [w for w in listed if w.get("is_healthy")]
+            stage = f"{len(healthy)} of {len(self.workers)} workers registered healthy"
+            return Probe(len(healthy) == len(self.workers), stage)
+
+        self._wait("sglang-router", "sglang-router to register every worker", probe)
+
+    def _wait(self, name: str, what: str, probe: Callable[[], Probe]) -> None:
+        proc = self.supervisor.procs[name]
+        try:
+            wait_started(what, proc, self.workdir / f"{name}.log", probe, self.spec.startup)
+        except StartupFailed as e:
+            raise StackError(str(e)) from e
 
     def _check_alive(self, name: str) -> None:
         rc = self.supervisor.procs[name].poll()
