@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from conftest import Stepped
+from metrics_helpers import Stepped
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kvfence-guard.json"
 # A metric name and the selector right after it, if any.

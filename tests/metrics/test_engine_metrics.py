@@ -16,8 +16,7 @@ import time
 from collections.abc import Callable
 
 import httpx
-
-from conftest import Stepped
+from metrics_helpers import Stepped
 
 PROMPT = [5] * 300  # 18 full pages of 16 tokens: the prefix cache keeps them after the request
 MAX_TOKENS = 8

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pd"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "pd"))  # pd_helpers, after all else
 from pd_helpers import Cluster, cluster
 
 pytestmark = pytest.mark.slow

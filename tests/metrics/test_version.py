@@ -5,9 +5,9 @@ from __future__ import annotations
 from importlib import metadata
 
 import pytest
+from metrics_helpers import Stepped
 from starlette.testclient import TestClient
 
-from conftest import Stepped
 from kvfence.serve.sglang.edge import Edge, EdgeSpec
 from kvfence.serve.tenants import TenantRegistry
 

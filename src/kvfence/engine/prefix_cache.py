@@ -79,6 +79,9 @@ class PrefixCache:
         self._owners: dict[str, int] = {}
         self.queried_tokens = 0
         self.hit_tokens = 0
+        # Entries no request references (refs == 0), kept with every change of a count so a
+        # status or a scrape reads it without walking the cache.
+        self._unreferenced = 0
 
     # ---- namespaces -------------------------------------------------------------------
 
@@ -118,6 +121,7 @@ class PrefixCache:
             entries.append(entry)
             parent = entry.key
         for entry in reversed(entries):  # leaf first, root last: evict leaves before roots
+            self._unreferenced -= entry.refs == 0
             entry.refs += 1
             self._entries.move_to_end(entry.key)
         return PrefixHit(tuple(e.handle for e in entries), tuple(e.key for e in entries), ps)
@@ -151,12 +155,14 @@ class PrefixCache:
             if entry.refs <= 0:
                 raise AssertionError(f"prefix-cache entry {key} released more often than taken")
             entry.refs -= 1
+            self._unreferenced += entry.refs == 0
 
     def evict(self, n_pages: int) -> int:
         """Release up to `n_pages` unreferenced pages, least recently used first."""
         victims = [e for e in self._entries.values() if e.refs == 0][:n_pages]
         for entry in victims:
             del self._entries[entry.key]
+        self._unreferenced -= len(victims)
         self.pool.release([e.handle for e in victims])
         return len(victims)
 
@@ -171,9 +177,7 @@ class PrefixCache:
 
     @property
     def num_evictable(self) -> int:
-        # A scrape reads this from another thread: copy the entries first (one C call, whole
-        # under the GIL) so the engine thread's inserts cannot break the iteration.
-        return sum(1 for e in list(self._entries.values()) if e.refs == 0)
+        return self._unreferenced
 
     def handles(self) -> list[PageHandle]:
         return [e.handle for e in self._entries.values()]
