@@ -210,6 +210,10 @@ def test_the_live_capacity_gate_and_the_gate_from_the_base_install(
     # The live pool (1,024 tokens) cannot hold a 4,096-token context x 1.25: exit 1, a fail.
     short = _run([*live, "--context", "4096"], **keys)
     assert short.returncode == 1 and "fails: capacity" in short.stdout, short.stdout[-2000:]
+    # The same through `kvfence gate --target`, as a pod's readiness probe runs it.
+    target = [light.bin("kvfence"), "gate", "--target", engine]
+    assert _run(target, **keys).returncode == 0
+    assert _run([*target, "--context", "4096"], **keys).returncode == 1
     gate = [light.bin("kvfence"), "gate", "--pool-tokens", "1024"]
     assert _run([*gate, "--context", str(CONTEXT)]).returncode == 0
     refused = _run([*gate, "--context", "4096"])
