@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install clean peers browser pd prometheus
+.PHONY: demo test lint install clean peers browser pd prometheus systemd
 
 $(STAMP): pyproject.toml constraints.txt $(wildcard src/kvfence/model/csrc/*.cpp)
 	$(PY) -m venv $(VENV)
@@ -29,8 +29,8 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 # The whole suite, peers and browser included: installed here (cached), so none of it skips.
-test: lint peers browser pd prometheus
-	KVFENCE_REQUIRE_PEERS=1 KVFENCE_REQUIRE_BROWSER=1 KVFENCE_REQUIRE_PROMETHEUS=1 \
+test: lint peers browser pd prometheus systemd
+	KVFENCE_REQUIRE_PEERS=1 KVFENCE_REQUIRE_BROWSER=1 KVFENCE_REQUIRE_PROMETHEUS=1 KVFENCE_REQUIRE_SYSTEMD=1 \
 	  $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The real peer engines (vLLM CPU, llama-server) for tests/peers, cached outside the clone
@@ -65,6 +65,13 @@ prometheus:
 	  $$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q --no-install-recommends prometheus; \
 	fi
 	/usr/bin/promtool check rules deploy/prometheus/kvfence-rules.yml
+
+# Debian's systemd for `systemd-analyze verify` of deploy/systemd (tests/deploy/test_systemd_unit.py).
+systemd:
+	@if command -v systemd-analyze >/dev/null; then systemd-analyze --version | head -1; else \
+	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q --no-install-recommends systemd; \
+	fi
 
 clean:
 	rm -rf $(VENV)
