@@ -57,10 +57,10 @@ if str(ROOT) not in sys.path:  # `bench` is a top-level folder, not an installed
 from bench.peers import PeerCache, start_vllm  # noqa: E402
 
 from kvfence.audit.base import Budget, CheckResult  # noqa: E402
-from kvfence.audit.check import AuditContext, run_check  # noqa: E402
+from kvfence.audit.check_table import TIMED_CHECKS  # noqa: E402
+from kvfence.audit.checks.prefix_sharing.check import PrefixSharingCheck, PrefixSharingConfig  # noqa: E402
+from kvfence.audit.contract import AuditContext, run_check  # noqa: E402
 from kvfence.audit.embedded import HARDENED, INCIDENT, started_all, wait_ready  # noqa: E402
-from kvfence.audit.prefix_sharing import PrefixSharingCheck, PrefixSharingConfig  # noqa: E402
-from kvfence.audit.runbook import TIMED_CHECKS  # noqa: E402
 from kvfence.audit.stats import SequentialDesign  # noqa: E402
 from kvfence.audit.targets.base import Target  # noqa: E402
 from kvfence.audit.targets.kvfence import KvfenceTarget  # noqa: E402

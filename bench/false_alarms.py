@@ -70,8 +70,8 @@ def kvfence_audit(url: str, seed: int, out: Path) -> tuple[list[dict], int, floa
 
 def vllm_salted(url: str, seed: int) -> tuple[list[dict], int, float]:
     from kvfence.audit.base import Budget
-    from kvfence.audit.check import AuditContext, run_check
-    from kvfence.audit.prefix_sharing import PrefixSharingCheck, PrefixSharingConfig
+    from kvfence.audit.checks.prefix_sharing.check import PrefixSharingCheck, PrefixSharingConfig
+    from kvfence.audit.contract import AuditContext, run_check
     from kvfence.audit.targets.registry import detect
 
     ctx = AuditContext(seed=seed, budget=Budget(max_requests=5000, max_seconds=900))

@@ -78,8 +78,8 @@ def enlarged(url: str, alpha: float, seed: int, max_per_arm: int) -> str:
     """The unsalted run alone at ``alpha`` with a sequential budget of ``max_per_arm`` trials
     (it stops at the first look that rejects): the requests a decisive verdict takes."""
     from kvfence.audit.base import Budget
-    from kvfence.audit.check import AuditContext, run_check
-    from kvfence.audit.prefix_sharing import PrefixSharingCheck, PrefixSharingConfig
+    from kvfence.audit.checks.prefix_sharing.check import PrefixSharingCheck, PrefixSharingConfig
+    from kvfence.audit.contract import AuditContext, run_check
     from kvfence.audit.stats import SequentialDesign
     from kvfence.audit.targets.registry import detect
 

@@ -24,8 +24,8 @@ from click.testing import CliRunner
 from sglang_worker import SglangWorker, WorkerSpec
 
 from kvfence.audit.base import Verdict
-from kvfence.audit.capacity import CapacityCheck
-from kvfence.audit.check import AuditContext, run_check
+from kvfence.audit.checks.capacity.check import CapacityCheck
+from kvfence.audit.contract import AuditContext, run_check
 from kvfence.audit.targets.registry import detect
 from kvfence.cli import main
 from kvfence.serve.supervisor import free_port

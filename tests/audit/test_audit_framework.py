@@ -9,9 +9,14 @@ from pathlib import Path
 from audit_replay import ReplayServer
 
 from kvfence.audit.base import Budget, CheckResult, Fact, Plot, PlotSeries, Verdict, worst
-from kvfence.audit.canary import Planted, find_leak, fragments_from_chars, fragments_from_pieces
-from kvfence.audit.capacity import CapacityCheck
-from kvfence.audit.check import AuditContext, Check, run_check
+from kvfence.audit.checks.canary.check import (
+    Planted,
+    find_leak,
+    fragments_from_chars,
+    fragments_from_pieces,
+)
+from kvfence.audit.checks.capacity.check import CapacityCheck
+from kvfence.audit.contract import AuditContext, Check, run_check
 from kvfence.audit.report import SCHEMA, to_html, to_json, to_junit
 from kvfence.audit.runbook import AuditRun, TargetSummary, run_audit
 from kvfence.audit.targets.base import Target, TargetFacts, parse_prometheus

@@ -18,8 +18,8 @@ from audit_servers import KEY_A, KEY_B, KEY_OP, Server
 from click.testing import CliRunner
 
 from kvfence.audit.base import Budget, Fact
-from kvfence.audit.boundary import BoundaryCheck
-from kvfence.audit.check import AuditContext, run_check
+from kvfence.audit.checks.boundary.check import BoundaryCheck
+from kvfence.audit.contract import AuditContext, run_check
 from kvfence.audit.targets.kvfence import KvfenceTarget
 from kvfence.cli import main
 

@@ -23,11 +23,11 @@ from audit_servers import KEY_A, KEY_B, KEY_OP, LARGE, Server, start, stop, wait
 
 from kvfence.audit import premises
 from kvfence.audit.base import Budget, CheckResult, Fact, Verdict, worst
-from kvfence.audit.capacity import CapacityCheck
-from kvfence.audit.check import AuditContext, run_check
+from kvfence.audit.checks.capacity.check import CapacityCheck
+from kvfence.audit.checks.counters.check import CountersCheck
+from kvfence.audit.checks.prefix_sharing.check import PrefixSharingCheck, PrefixSharingConfig
 from kvfence.audit.client import ProbeClient
-from kvfence.audit.counters import CountersCheck
-from kvfence.audit.prefix_sharing import PrefixSharingCheck, PrefixSharingConfig
+from kvfence.audit.contract import AuditContext, run_check
 from kvfence.audit.report import to_junit
 from kvfence.audit.runbook import AuditRun, TargetSummary, run_audit
 from kvfence.audit.stats import SequentialDesign

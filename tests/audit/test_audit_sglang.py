@@ -16,11 +16,11 @@ from audit_replay import FIXTURES, ReplayServer, Route
 from sglang_worker import SglangWorker, WorkerSpec
 
 from kvfence.audit.base import Budget, Verdict
-from kvfence.audit.boundary import BoundaryCheck
-from kvfence.audit.capacity import CapacityCheck
-from kvfence.audit.check import AuditContext, run_check
+from kvfence.audit.checks.boundary.check import BoundaryCheck
+from kvfence.audit.checks.capacity.check import CapacityCheck
+from kvfence.audit.checks.counters.check import CountersCheck
 from kvfence.audit.client import ProbeClient
-from kvfence.audit.counters import CountersCheck
+from kvfence.audit.contract import AuditContext, run_check
 from kvfence.audit.targets.base import Endpoints
 from kvfence.audit.targets.registry import detect, make_target
 from kvfence.audit.targets.sglang import SglangTarget

@@ -9,9 +9,9 @@ import pytest
 from audit_replay import ReplayServer
 
 from kvfence.audit.base import Budget, Verdict
-from kvfence.audit.capacity import CapacityCheck
-from kvfence.audit.check import AuditContext, run_check
+from kvfence.audit.checks.capacity.check import CapacityCheck
 from kvfence.audit.client import ProbeClient
+from kvfence.audit.contract import AuditContext, run_check
 from kvfence.audit.targets.registry import detect
 from kvfence.audit.targets.tgi import TgiTarget
 

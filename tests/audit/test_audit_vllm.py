@@ -12,10 +12,10 @@ import pytest
 from audit_replay import FIXTURES, ReplayServer, Route
 
 from kvfence.audit.base import Budget, Verdict
-from kvfence.audit.capacity import CapacityCheck
-from kvfence.audit.check import AuditContext, run_check
+from kvfence.audit.checks.capacity.check import CapacityCheck
+from kvfence.audit.checks.counters.check import CountersCheck
 from kvfence.audit.client import ProbeClient
-from kvfence.audit.counters import CountersCheck
+from kvfence.audit.contract import AuditContext, run_check
 from kvfence.audit.targets.registry import detect
 from kvfence.audit.targets.vllm import VllmTarget
 

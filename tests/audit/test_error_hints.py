@@ -8,8 +8,8 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
+from kvfence.audit.checks.latency.check import latency_command
 from kvfence.audit.cli import audit
-from kvfence.audit.latency import latency_command
 from kvfence.watch.cli import watch
 
 DEAD = "http://127.0.0.1:9"

@@ -16,10 +16,10 @@ from audit_servers import KEY_A, KEY_B, KEY_OP, LARGE, Server, start, stop, wait
 from small_vocab import VOCAB, small_vocab_checkpoint
 
 from kvfence.audit.base import Budget, Verdict
-from kvfence.audit.check import AuditContext, run_check
-from kvfence.audit.counters import CountersCheck
-from kvfence.audit.noninterference import NoninterferenceCheck
-from kvfence.audit.noninterference_probes import NoninterferenceConfig
+from kvfence.audit.checks.counters.check import CountersCheck
+from kvfence.audit.checks.noninterference.check import NoninterferenceCheck
+from kvfence.audit.checks.noninterference.probes import NoninterferenceConfig
+from kvfence.audit.contract import AuditContext, run_check
 from kvfence.audit.targets.kvfence import KvfenceTarget
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvfence.audit.base import Budget, Fact
+from kvfence.audit.checks.canary.probe_length import TokenCounter, over_bound
 from kvfence.audit.client import ProbeClient
-from kvfence.audit.probe_length import TokenCounter, over_bound
 from kvfence.audit.prompts import PromptMaker
 from kvfence.audit.targets.base import TargetFacts
 from kvfence.faults import FaultSet

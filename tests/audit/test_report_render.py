@@ -32,9 +32,9 @@ from audit_servers import KEY_A, KEY_B, KEY_OP, Server
 
 from kvfence.audit import report
 from kvfence.audit.base import Budget, CheckResult, Verdict
-from kvfence.audit.check import AuditContext, run_check
-from kvfence.audit.latency import analyse_log
-from kvfence.audit.prefix_sharing import PrefixSharingCheck, PrefixSharingConfig
+from kvfence.audit.checks.latency.check import analyse_log
+from kvfence.audit.checks.prefix_sharing.check import PrefixSharingCheck, PrefixSharingConfig
+from kvfence.audit.contract import AuditContext, run_check
 from kvfence.audit.runbook import AuditRun, TargetSummary, run_audit
 from kvfence.audit.stats import SequentialDesign
 from kvfence.audit.target_names import TargetSpec

@@ -12,9 +12,10 @@ import pytest
 
 from kvfence.audit import runbook
 from kvfence.audit.base import CheckResult, Verdict
-from kvfence.audit.check import AuditContext, Check
+from kvfence.audit.check_table import ALL_CHECKS, TIMED_CHECKS
 from kvfence.audit.client import ProbeClient
-from kvfence.audit.runbook import ALL_CHECKS, TIMED_CHECKS, run_audit
+from kvfence.audit.contract import AuditContext, Check
+from kvfence.audit.runbook import run_audit
 from kvfence.audit.targets.base import Endpoints, Target, TargetFacts
 
 URLS = ("http://127.0.0.1:9/lab", "http://127.0.0.1:9/fix")

@@ -15,9 +15,9 @@ import pytest
 from audit_servers import KEY_A, KEY_B, KEY_OP, LARGE, Server, start, stop, wait_ready
 
 from kvfence.audit.base import Budget, Verdict
-from kvfence.audit.check import AuditContext, run_check
+from kvfence.audit.checks.transfer_reference.check import TransferReferenceCheck
+from kvfence.audit.contract import AuditContext, run_check
 from kvfence.audit.targets.registry import detect
-from kvfence.audit.transfer_reference import TransferReferenceCheck
 
 pytestmark = pytest.mark.slow
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from kvfence.audit.transfer_bootstrap import SGLANG_BOOTSTRAP_PORT, attacks_for
-from kvfence.audit.transfer_probe import Route
+from kvfence.audit.checks.transfer_reference.bootstrap import SGLANG_BOOTSTRAP_PORT, attacks_for
+from kvfence.audit.checks.transfer_reference.probe import Route
 
 SECRET = "/r/0123456789abcdef0123456789abcdef"
 PUBLIC = Route("http://10.0.0.1:8000", "public")

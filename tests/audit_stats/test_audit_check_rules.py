@@ -8,8 +8,13 @@ import numpy as np
 import pytest
 
 from kvfence.audit.base import Fact, Verdict
-from kvfence.audit.noninterference import NoninterferenceConfig, probe_lengths
-from kvfence.audit.prefix_sharing import Arms, PrefixSharingConfig, judge, prefix_length
+from kvfence.audit.checks.noninterference.check import NoninterferenceConfig, probe_lengths
+from kvfence.audit.checks.prefix_sharing.check import (
+    Arms,
+    PrefixSharingConfig,
+    judge,
+    prefix_length,
+)
 from kvfence.audit.stats import SequentialDesign, run_sequential
 from kvfence.audit.targets.base import TargetFacts
 
@@ -138,35 +143,44 @@ def test_noninterference_long_probe_targets_the_pool_edge() -> None:
 
 
 def test_runbook_loads_the_statistical_checks_by_name() -> None:
-    from kvfence.audit.latency import LatencyCheck
-    from kvfence.audit.noninterference import NoninterferenceCheck
-    from kvfence.audit.prefix_sharing import PrefixSharingCheck
-    from kvfence.audit.runbook import load_check
+    from kvfence.audit.check_table import load_check
+    from kvfence.audit.checks.latency.check import LatencyCheck
+    from kvfence.audit.checks.noninterference.check import NoninterferenceCheck
+    from kvfence.audit.checks.prefix_sharing.check import PrefixSharingCheck
 
     assert isinstance(load_check("prefix_sharing"), PrefixSharingCheck)
     assert isinstance(load_check("noninterference"), NoninterferenceCheck)
     assert isinstance(load_check("latency"), LatencyCheck)
 
 
+def test_every_check_in_the_table_is_the_class_of_that_name() -> None:
+    from kvfence.audit.check_table import CHECKS, check_class
+
+    for name, _ in CHECKS:
+        cls = check_class(name)
+        assert cls.name == name and not getattr(cls, "__abstractmethods__", None), name
+    with pytest.raises(ValueError, match="choose from capacity, boundary"):
+        check_class("capacty")
+
+
 def test_a_check_that_cannot_load_fails_the_audit_instead_of_skipping(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A missing dependency used to turn a check into SKIPPED with exit code 0 (fail open)."""
-    import importlib
+    import sys
 
-    from kvfence.audit import runbook
+    from kvfence.audit import check_table, runbook
     from kvfence.audit.base import CheckResult
 
-    real = importlib.import_module
-
-    def without_latency(name: str, package: str | None = None) -> object:
-        if name == "kvfence.audit.latency":
-            raise ModuleNotFoundError("No module named 'scipy'", name="scipy")
-        return real(name, package)
-
-    monkeypatch.setattr(runbook.importlib, "import_module", without_latency)
-    with pytest.raises(runbook.CheckUnavailable, match="scipy"):
-        runbook.load_check("latency")
+    # scipy "not installed": the latency check and the statistics it builds on import afresh
+    # (monkeypatch puts every module back afterwards).
+    for name in [m for m in sys.modules if m == "scipy" or m.startswith("scipy.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    for name in [m for m in sys.modules if m.startswith("kvfence.audit.checks.latency.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delitem(sys.modules, "kvfence.audit.stats")
+    with pytest.raises(check_table.CheckUnavailable, match="scipy"):
+        check_table.load_check("latency")
     lost = runbook.loaded_or_inconclusive("latency", "http://target")
     assert isinstance(lost, CheckResult) and lost.verdict is Verdict.INCONCLUSIVE
     assert "scipy" in lost.summary
@@ -177,7 +191,7 @@ def test_a_check_that_cannot_load_fails_the_audit_instead_of_skipping(
 
 
 def test_alpha_is_split_over_the_statistical_checks_of_the_run() -> None:
-    from kvfence.audit.check import AuditContext
+    from kvfence.audit.contract import AuditContext
 
     ctx = AuditContext(alpha=1e-3)
     assert ctx.alpha_for("latency") == pytest.approx(1e-3 / 3)
@@ -191,7 +205,7 @@ def test_designs_grow_until_their_most_extreme_outcome_reaches_alpha() -> None:
     import math
 
     from kvfence.audit.alpha import fisher_repeats_for, sequential_design_for
-    from kvfence.audit.latency import LatencyConfig, design_p_value
+    from kvfence.audit.checks.latency.check import LatencyConfig, design_p_value
 
     for alpha in (1e-3, 1e-6, 1e-9, 1e-12):
         r = fisher_repeats_for(alpha, 1)

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvfence.audit.base import Verdict
-from kvfence.audit.latency import (
+from kvfence.audit.checks.latency.check import (
     LatencyConfig,
     LatencySample,
     analyse,

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from kvfence.audit.base import Budget, CheckResult, Verdict
-from kvfence.audit.check import AuditContext, run_check
-from kvfence.audit.noninterference import NoninterferenceCheck, NoninterferenceConfig
+from kvfence.audit.checks.noninterference.check import NoninterferenceCheck, NoninterferenceConfig
+from kvfence.audit.contract import AuditContext, run_check
 from kvfence.audit.targets.openai import OpenAITarget
 
 KEY_A, KEY_B = "loop-key-a", "loop-key-b"

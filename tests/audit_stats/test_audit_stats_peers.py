@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from kvfence.audit.base import Budget, CheckResult, Verdict
-from kvfence.audit.check import AuditContext, run_check
-from kvfence.audit.noninterference import NoninterferenceCheck, NoninterferenceConfig
-from kvfence.audit.prefix_sharing import PrefixSharingCheck, PrefixSharingConfig
+from kvfence.audit.checks.noninterference.check import NoninterferenceCheck, NoninterferenceConfig
+from kvfence.audit.checks.prefix_sharing.check import PrefixSharingCheck, PrefixSharingConfig
+from kvfence.audit.contract import AuditContext, run_check
 from kvfence.audit.stats import SequentialDesign
 from kvfence.audit.targets.vllm import VllmTarget
 

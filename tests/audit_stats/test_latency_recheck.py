@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from kvfence.audit import latency
 from kvfence.audit.base import Verdict
-from kvfence.audit.latency import LatencyAnalysis, LatencyConfig, Sweep
+from kvfence.audit.checks.latency import check as latency
+from kvfence.audit.checks.latency.check import LatencyAnalysis, LatencyConfig, Sweep
 
 
 def _run(monkeypatch: pytest.MonkeyPatch, outcomes: list[tuple[Verdict, float | None]]) -> Any:

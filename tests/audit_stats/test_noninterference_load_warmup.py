@@ -9,8 +9,8 @@ import threading
 import time
 from typing import Any
 
-from kvfence.audit.check import AuditContext
-from kvfence.audit.noninterference_probes import Answer, Load, NoninterferenceConfig, Probes
+from kvfence.audit.checks.noninterference.probes import Answer, Load, NoninterferenceConfig, Probes
+from kvfence.audit.contract import AuditContext
 from kvfence.audit.probe_response import ProbeResponse
 
 

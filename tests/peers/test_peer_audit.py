@@ -13,10 +13,10 @@ from bench.peers import PeerServer, llamacpp_n_ctx, llamacpp_n_ctx_seq, vllm_poo
 from peer_helpers import LLAMA_CTX, LLAMA_SLOTS, PEER_TIMEOUT, VLLM_BLOCKS, VLLM_MAX_MODEL_LEN
 
 from kvfence.audit.base import Budget, Verdict
-from kvfence.audit.boundary import BoundaryCheck
-from kvfence.audit.canary import CanaryCheck
-from kvfence.audit.capacity import CapacityCheck
-from kvfence.audit.check import AuditContext, run_check
+from kvfence.audit.checks.boundary.check import BoundaryCheck
+from kvfence.audit.checks.canary.check import CanaryCheck
+from kvfence.audit.checks.capacity.check import CapacityCheck
+from kvfence.audit.contract import AuditContext, run_check
 from kvfence.audit.targets.base import Target, TargetFacts
 from kvfence.audit.targets.registry import detect
 

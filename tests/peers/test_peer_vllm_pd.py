@@ -20,9 +20,9 @@ from bench.peers.pd_fleet import VllmPdFleet, start_vllm_pd
 from peer_helpers import PEER_TIMEOUT
 
 from kvfence.audit.base import Budget, CheckResult, Verdict
-from kvfence.audit.check import AuditContext, run_check
+from kvfence.audit.checks.transfer_reference.check import TransferReferenceCheck
+from kvfence.audit.contract import AuditContext, run_check
 from kvfence.audit.targets.registry import detect
-from kvfence.audit.transfer_reference import TransferReferenceCheck
 
 pytestmark = [pytest.mark.slow, pytest.mark.peers, PEER_TIMEOUT]
 

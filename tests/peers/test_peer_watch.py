@@ -18,8 +18,8 @@ from click.testing import CliRunner, Result
 from peer_helpers import LLAMA_CTX, LLAMA_SLOTS, PEER_TIMEOUT, VLLM_MAX_MODEL_LEN
 
 from kvfence.audit.base import Budget, Verdict
-from kvfence.audit.capacity import CapacityCheck
-from kvfence.audit.check import AuditContext, run_check
+from kvfence.audit.checks.capacity.check import CapacityCheck
+from kvfence.audit.contract import AuditContext, run_check
 from kvfence.audit.targets.registry import detect
 from kvfence.cli import main
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from serve_helpers import serve
 
-from kvfence.audit.latency import parse_log_lines
+from kvfence.audit.checks.latency.check import parse_log_lines
 from kvfence.serve.build import PoolSizes
 from kvfence.serve.request_log import LATENCY_BUCKETS, prompt_bucket, tenant_hash
 

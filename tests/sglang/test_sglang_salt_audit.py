@@ -18,8 +18,8 @@ import pytest
 from sgl_helpers import OPERATOR_KEY, Fleet, fleet
 
 from kvfence.audit.base import Budget, Verdict
-from kvfence.audit.check import AuditContext, run_check
-from kvfence.audit.prefix_sharing import PrefixSharingCheck, PrefixSharingConfig
+from kvfence.audit.checks.prefix_sharing.check import PrefixSharingCheck, PrefixSharingConfig
+from kvfence.audit.contract import AuditContext, run_check
 from kvfence.audit.targets.routers import SglangRouterTarget
 
 pytestmark = pytest.mark.slow

@@ -26,9 +26,9 @@ import pytest
 from sgl_helpers import OPERATOR_KEY, Fleet, fleet, wait_quiet
 
 from kvfence.audit.base import Budget, CheckResult, Verdict
-from kvfence.audit.check import AuditContext, run_check
+from kvfence.audit.checks.transfer_reference.check import TransferReferenceCheck
+from kvfence.audit.contract import AuditContext, run_check
 from kvfence.audit.targets.routers import SglangRouterTarget
-from kvfence.audit.transfer_reference import TransferReferenceCheck
 from kvfence.faults import Fault, FaultSet
 
 pytestmark = pytest.mark.slow

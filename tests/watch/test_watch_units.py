@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvfence.audit.base import CheckResult, Fact, Verdict
-from kvfence.audit.latency import LatencySample, design_p_value
+from kvfence.audit.checks.latency.check import LatencySample, design_p_value
 from kvfence.audit.targets.base import TargetFacts
 from kvfence.watch.budget import AlarmBudget
 from kvfence.watch.cli import parse_listen, verdict_of

@@ -3,7 +3,7 @@
 A leaf: it imports nothing else of the audit but the budget (itself a leaf), so every
 other module (the HTTP client, the engine adapters, the checks) can build on it without
 an import running back. The contract a check follows and the context it gets are in
-`audit.check`.
+`audit.contract`.
 
 Fail closed: a `Fact` whose value is None is unknown, and a check must treat it as
 INCONCLUSIVE, never PASS. `evidence` is a JSON-serialisable dict a reviewer can act on;

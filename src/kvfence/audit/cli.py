@@ -27,8 +27,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvfence.audit import report
 from kvfence.audit.base import DEFAULT_ALPHA, DEFAULT_HEADROOM, Budget, CheckResult
-from kvfence.audit.check import AuditContext
-from kvfence.audit.runbook import ALL_CHECKS, EMBEDDED_CHECKS, AuditRun, run_audit
+from kvfence.audit.check_table import ALL_CHECKS, EMBEDDED_CHECKS
+from kvfence.audit.contract import AuditContext
+from kvfence.audit.runbook import AuditRun, run_audit
 from kvfence.audit.target_names import TargetSpec, TargetSpecError, named_targets
 from kvfence.audit.targets.registry import ENGINE_CHOICES
 from kvfence.audit.tenant_keys import second_key_missing
@@ -72,7 +73,7 @@ class _AuditGroup(click.Group):
         if cmd_name != "latency":
             return super().get_command(ctx, cmd_name)
         try:
-            from kvfence.audit.latency import latency_command
+            from kvfence.audit.checks.latency.check import latency_command
         except ImportError:  # not part of this build
             return None
         return latency_command

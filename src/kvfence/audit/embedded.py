@@ -27,8 +27,9 @@ from types import MappingProxyType
 import httpx
 
 from kvfence.audit.base import DEFAULT_ALPHA, Budget, CheckResult
-from kvfence.audit.check import AuditContext
-from kvfence.audit.runbook import EMBEDDED_CHECKS, AuditRun, preload_checks, run_audit
+from kvfence.audit.check_table import EMBEDDED_CHECKS, preload_checks
+from kvfence.audit.contract import AuditContext
+from kvfence.audit.runbook import AuditRun, run_audit
 from kvfence.audit.target_names import TargetSpec
 from kvfence.startup_wait import Probe, StartupBounds, wait_started
 

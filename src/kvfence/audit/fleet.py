@@ -20,7 +20,7 @@ shown by its origin only (`NodeFacts.url`); the full URL (`endpoint`) is used
 to reach it and never reported. Node reads send no tenant key: the operator
 key where given (its /server_info and /metrics are operator data), else no
 key at all (what the worker tells its router). Only a count that needs a
-tenant's `/tokenize` (probe_length.py) sends a key to a worker, tenant B's.
+tenant's `/tokenize` (checks/canary/probe_length.py) sends a key to a worker, tenant B's.
 
 HTTP only, through clients charged to the audit's budget.
 """

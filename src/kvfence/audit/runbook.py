@@ -21,7 +21,6 @@ its own request count, so its probes do not depend on the other threads.
 
 from __future__ import annotations
 
-import importlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,79 +28,14 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
 from kvfence.audit.base import STATISTICAL_CHECKS, Budget, CheckResult, JSONValue, Verdict
-from kvfence.audit.check import AuditContext, Check, run_check
-from kvfence.audit.counters import CountersCheck
+from kvfence.audit.check_table import ALL_CHECKS, TIMED_CHECKS, CheckUnavailable, load_check
+from kvfence.audit.checks.counters.check import CountersCheck
+from kvfence.audit.contract import AuditContext, Check, run_check
 from kvfence.audit.run_record import AuditRun, TargetSummary
 from kvfence.audit.target_context import target_context
 from kvfence.audit.target_names import TargetSpec, as_specs
 from kvfence.audit.targets.base import Target
 from kvfence.audit.targets.registry import DetectionError, make_target
-
-# name -> module under kvfence.audit holding a Check subclass with that `name`
-CHECK_MODULES: tuple[tuple[str, str], ...] = (
-    ("capacity", "capacity"),
-    ("boundary", "boundary"),
-    ("canary", "canary"),
-    ("noninterference", "noninterference"),
-    ("latency", "latency"),
-    ("prefix_sharing", "prefix_sharing"),
-    ("counters", "counters"),
-    ("transfer_reference", "transfer_reference"),
-)
-ALL_CHECKS: tuple[str, ...] = tuple(name for name, _ in CHECK_MODULES)
-# The main job's checks: its two targets are kvfence's hub, which makes every transfer room
-# itself and refuses a client's transfer fields (vLLM's or SGLang's) with a 400, lab switch
-# or not: transfer_reference passes on both and tells the demo nothing (its lab proof is the
-# sglang-router stack under `decode-trusts-bootstrap`).
-EMBEDDED_CHECKS: tuple[str, ...] = tuple(n for n in ALL_CHECKS if n != "transfer_reference")
-# Checks that never overlap any other audit traffic: latency and prefix sharing test
-# durations (TTFT), and noninterference's verdict rests on how A's load interleaves with
-# B's repeats (on the demo's lab, 9 of 10 repeats must land on A's data; with another
-# target's checks on the same cores, 7 of 9 were seen at load 22): another target's
-# traffic would change what they measure.
-TIMED_CHECKS: tuple[str, ...] = ("noninterference", "latency", "prefix_sharing")
-
-
-class CheckUnavailable(Exception):
-    """A known check that cannot be loaded (its module or a dependency is missing or broken)."""
-
-
-def load_check(name: str) -> Check:
-    """Instantiate the check called `name`; raises `CheckUnavailable` when it cannot load.
-
-    A check that cannot load never counts as skipped: the audit reports it
-    INCONCLUSIVE, which blocks a deploy (fail closed: unknown is never a pass).
-    """
-    module_name = dict(CHECK_MODULES).get(name)
-    if module_name is None:
-        raise ValueError(f"unknown check {name!r}; choose from {', '.join(ALL_CHECKS)}")
-    try:
-        module = importlib.import_module(f"kvfence.audit.{module_name}")
-    except ImportError as e:  # ModuleNotFoundError included: a dependency not installed
-        raise CheckUnavailable(f"cannot import kvfence.audit.{module_name}: {e}") from e
-    for obj in vars(module).values():
-        if (
-            isinstance(obj, type)
-            and issubclass(obj, Check)
-            and obj is not Check
-            and getattr(obj, "name", None) == name
-            and not getattr(obj, "__abstractmethods__", None)
-        ):
-            return obj()
-    raise CheckUnavailable(f"kvfence.audit.{module_name} defines no check named {name!r}")
-
-
-def preload_checks(names: Sequence[str]) -> None:
-    """Import the modules of `names` now (scipy and the statistics, a second or more on a
-    busy machine), e.g. while the servers to audit start; one that fails to import is
-    reported by `load_check` when its turn comes (fail closed), not here."""
-    modules = dict(CHECK_MODULES)
-    for name in names:
-        if name in modules:
-            try:
-                importlib.import_module(f"kvfence.audit.{modules[name]}")
-            except ImportError:
-                continue
 
 
 def loaded_or_inconclusive(name: str, url: str) -> Check | CheckResult:

@@ -10,7 +10,7 @@ per target (a check's `requests_sent` is its own, not another thread's).
 from __future__ import annotations
 
 from kvfence.audit.budget import Budget
-from kvfence.audit.check import AuditContext
+from kvfence.audit.contract import AuditContext
 
 
 class TargetBudget(Budget):

@@ -18,8 +18,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvfence.audit.base import Budget, CheckResult, Verdict
-from kvfence.audit.check import AuditContext, run_check
-from kvfence.audit.runbook import load_check
+from kvfence.audit.check_table import load_check
+from kvfence.audit.contract import AuditContext, run_check
 from kvfence.audit.targets.base import Target, TargetFacts, parse_prometheus
 from kvfence.audit.targets.registry import make_target
 from kvfence.watch.budget import AlarmBudget

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from kvfence.audit.base import Verdict
-from kvfence.audit.canary import (
+from kvfence.audit.checks.canary.check import (
     A_MAX_TOKENS,
     B_MAX_TOKENS,
     Planted,
@@ -20,14 +20,14 @@ from kvfence.audit.canary import (
     fragments_from_chars,
     plan_lengths,
 )
-from kvfence.audit.client import ProbeClient
-from kvfence.audit.latency import (
+from kvfence.audit.checks.latency.check import (
     LatencyAnalysis,
     LatencyConfig,
     LatencySample,
     analyse,
     design_p_value,
 )
+from kvfence.audit.client import ProbeClient
 from kvfence.audit.prompts import PromptMaker, make_sentinel, random_words
 from kvfence.audit.targets.base import TargetFacts
 

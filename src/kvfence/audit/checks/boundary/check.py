@@ -1,6 +1,6 @@
 """Runbook signal 2's sharp edge: probe exactly at the limit, at limit + 1, and in the pool gap.
 
-Rungs (token-exact prompts, see `prompts.py`):
+Rungs (token-exact prompts, see `audit.prompts`):
 - control (short) and **at limit** (the longest accepted prompt, max_tokens 1):
   must answer 2xx with content that belongs to the request — non-empty
   output, `usage.prompt_tokens` equal to what was sent, and on kvfence's
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfence.audit.base import CheckResult, Plot, PlotSeries, Verdict, worst
-from kvfence.audit.check import AuditContext, Check
 from kvfence.audit.client import ProbeClient, ProbeResponse
+from kvfence.audit.contract import AuditContext, Check
 from kvfence.audit.prompts import Prompt, PromptMaker
 from kvfence.audit.targets.base import Target, TargetFacts
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfence.audit.base import CheckResult, Verdict
-from kvfence.audit.check import AuditContext, Check
+from kvfence.audit.checks.canary.probe_length import OverLong, TokenCounter, over_bound
 from kvfence.audit.client import ProbeClient, ProbeResponse
-from kvfence.audit.probe_length import OverLong, TokenCounter, over_bound
+from kvfence.audit.contract import AuditContext, Check
 from kvfence.audit.prompts import Prompt, PromptMaker, make_sentinel, random_words
 from kvfence.audit.targets.base import Target, TargetFacts
 

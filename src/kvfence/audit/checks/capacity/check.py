@@ -21,7 +21,7 @@ import math
 from typing import Any
 
 from kvfence.audit.base import CheckResult, Fact, Verdict, worst
-from kvfence.audit.check import AuditContext, Check
+from kvfence.audit.contract import AuditContext, Check
 from kvfence.audit.targets.base import SHARED_POOL_KEY, NodeFacts, Target, TargetFacts
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvfence.audit.base import CheckResult, Fact, Verdict
-from kvfence.audit.check import AuditContext, Check
+from kvfence.audit.contract import AuditContext, Check
 from kvfence.audit.premises import disaggregation
 from kvfence.audit.targets.base import Target
 

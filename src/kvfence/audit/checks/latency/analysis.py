@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvfence.audit.base import DEFAULT_ALPHA, JSONValue, Plot, PlotSeries, Verdict
-from kvfence.audit.latency_exact import (
+from kvfence.audit.checks.latency.exact import (
     Buckets,
     Floor,
     LatencySample,

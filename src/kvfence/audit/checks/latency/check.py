@@ -20,9 +20,9 @@ placeholder (the Workers AI reject path). The check
    alpha — the number of probes per length grows with −log alpha
    (`LatencyConfig.repeats_for`), so the runbook's sweep always can.
 
-The analysis and its hypothesis test live in `latency_analysis` (H0 "the
+The analysis and its hypothesis test live in `analysis` (H0 "the
 long prompts were prefilled", an exact one-sided p-value); request logs in
-`latency_log` (`kvfence audit latency --from-log`). This module is the live
+`log` (`kvfence audit latency --from-log`). This module is the live
 check the runbook runs.
 """
 
@@ -32,16 +32,16 @@ import random
 from dataclasses import dataclass, field, replace
 
 from kvfence.audit.base import CheckResult, JSONValue, Verdict
-from kvfence.audit.check import AuditContext, Check
-from kvfence.audit.client import ProbeClient
-from kvfence.audit.latency_analysis import (
+from kvfence.audit.checks.latency.analysis import (
     LatencyAnalysis,
     LatencyConfig,
     LatencySample,
     analyse,
     design_p_value,
 )
-from kvfence.audit.latency_log import analyse_log, latency_command, parse_log_lines
+from kvfence.audit.checks.latency.log import analyse_log, latency_command, parse_log_lines
+from kvfence.audit.client import ProbeClient
+from kvfence.audit.contract import AuditContext, Check
 from kvfence.audit.targets.base import Target
 from kvfence.audit.vocabulary import within_vocabulary
 

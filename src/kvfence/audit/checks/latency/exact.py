@@ -1,4 +1,4 @@
-"""The pieces of the prefill-latency test (`latency_analysis` has the argument): timed
+"""The pieces of the prefill-latency test (`analysis` has the argument): timed
 samples, their buckets, the two "fast" labellings and the exact test that combines them."""
 
 from __future__ import annotations

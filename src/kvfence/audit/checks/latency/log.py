@@ -45,7 +45,7 @@ from typing import Any
 import click
 
 from kvfence.audit.base import DEFAULT_ALPHA, JSONValue, Verdict
-from kvfence.audit.latency_analysis import (
+from kvfence.audit.checks.latency.analysis import (
     LatencyAnalysis,
     LatencyConfig,
     LatencySample,

@@ -6,7 +6,7 @@ nondeterminism (some engines are not batch-invariant even alone); then the
 same number of repeats while tenant A keeps the engine busy with concurrent
 requests, each repeat sent only once an A request that began after B's
 previous answer has ended (A's pages were taken, written and released in
-between: `noninterference_probes.Load`). A repeat *diverges* when its generated tokens differ from the
+between: `probes.Load`). A repeat *diverges* when its generated tokens differ from the
 probe's first answer alone. The check fails when the divergence rate under
 load exceeds the baseline rate with significance (one-sided Fisher exact
 test, `stats.divergence_excess`, pooled and per probe with a
@@ -27,8 +27,8 @@ from dataclasses import replace
 
 from kvfence.audit.alpha import fisher_repeats_for
 from kvfence.audit.base import CheckResult, JSONValue, Verdict
-from kvfence.audit.check import AuditContext, Check
-from kvfence.audit.noninterference_probes import Load, NoninterferenceConfig, Probes, Tally
+from kvfence.audit.checks.noninterference.probes import Load, NoninterferenceConfig, Probes, Tally
+from kvfence.audit.contract import AuditContext, Check
 from kvfence.audit.stats import DivergenceTest, divergence_excess
 from kvfence.audit.targets.base import Target, TargetFacts
 from kvfence.audit.vocabulary import within_vocabulary

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfence.audit.base import JSONValue
-from kvfence.audit.check import AuditContext
 from kvfence.audit.client import ProbeClient, ProbeResponse
+from kvfence.audit.contract import AuditContext
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,15 +39,15 @@ from dataclasses import replace
 from kvfence.audit import premises
 from kvfence.audit.alpha import evidence_scale, sequential_design_for
 from kvfence.audit.base import CheckResult, Fact, JSONValue, Plot, PlotSeries, Verdict, worst
-from kvfence.audit.check import AuditContext, Check
-from kvfence.audit.prefix_salt_routes import dropped_routes, salt_route_run
-from kvfence.audit.prefix_trials import (
+from kvfence.audit.checks.prefix_sharing.salt_routes import dropped_routes, salt_route_run
+from kvfence.audit.checks.prefix_sharing.trials import (
     Arms,
     PrefixSharingConfig,
     TrialProbe,
     run_arms,
     same_salt_trials,
 )
+from kvfence.audit.contract import AuditContext, Check
 from kvfence.audit.stats import SequentialResult
 from kvfence.audit.targets.base import Target, TargetFacts
 from kvfence.audit.vocabulary import within_vocabulary

@@ -20,9 +20,8 @@ from __future__ import annotations
 import random
 
 from kvfence.audit.base import Fact, JSONValue, Verdict
-from kvfence.audit.client import ProbeClient
-from kvfence.audit.prefix_prompts import RandomPrompts
-from kvfence.audit.prefix_trials import (
+from kvfence.audit.checks.prefix_sharing.prompts import RandomPrompts
+from kvfence.audit.checks.prefix_sharing.trials import (
     ROUTES,
     Arms,
     PrefixSharingConfig,
@@ -30,6 +29,7 @@ from kvfence.audit.prefix_trials import (
     run_arms,
     same_salt_trials,
 )
+from kvfence.audit.client import ProbeClient
 from kvfence.audit.stats import SequentialResult
 from kvfence.audit.targets.base import TargetFacts
 from kvfence.audit.targets.routers import SALT_DROPPED

@@ -2,7 +2,7 @@
 
 Each trial is three requests (A's warm-up, then B's shared-prefix and fresh prompts in a
 random order); trials run in batches until the sequential KS test stops
-(`prefix_sharing.py` turns what they showed into a verdict).
+(`check.py` turns what they showed into a verdict).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfence.audit.checks.prefix_sharing.prompts import Pieces, RandomPrompts
 from kvfence.audit.client import ProbeClient, ProbeResponse
-from kvfence.audit.prefix_prompts import Pieces, RandomPrompts
 from kvfence.audit.stats import SequentialDesign, SequentialKS, SequentialResult
 
 ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -34,7 +34,7 @@ class PrefixSharingConfig:
       tokenizer has and none is special.
     - ``salt_routes``: where the target states a route drops ``cache_salt``
       (a router in front), the routes on which tenant A's own salts are
-      tested (``prefix_salt_routes.py``); ``("completions",)`` for a
+      tested (``salt_routes.py``); ``("completions",)`` for a
       deployment that sends salts there only.
     """
 
@@ -111,7 +111,7 @@ class TrialProbe:
 
     def send(self, client: ProbeClient, prompt: Pieces, salt: str | None) -> ProbeResponse:
         extra = {"cache_salt": salt} if salt is not None else None
-        if self.route == "chat":  # text only: `prompts` is in text mode (prefix_prompts.py)
+        if self.route == "chat":  # text only: `prompts` is in text mode (prompts.py here)
             message = {"role": "user", "content": str(self.prompts.payload(prompt))}
             return client.chat([message], max_tokens=1, stream=True, extra=extra)
         return client.ttft(self.prompts.payload(prompt), extra=extra)

@@ -19,7 +19,7 @@ Live: B's half first, then A's (each half waits for the other; a route that refu
 B's fields answers at once, and A's half is then not sent). Reused: after that room's
 transfer ended, A's next prompt C takes the same room and B names it again: a room is
 released and drawn again, and must never pair with a request that is not its owner's.
-Whose KV, by construction (transfer_probe.py): C's or A's continuation → leak; a 4xx or
+Whose KV, by construction (probe.py): C's or A's continuation → leak; a 4xx or
 B's own continuation → the route holds.
 
 HTTP only; every request is charged to the audit's budget.
@@ -32,9 +32,16 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvfence.audit.checks.transfer_reference.probe import (
+    MAX_TOKENS,
+    Outcome,
+    Probe,
+    Prompt,
+    Route,
+    classify,
+)
 from kvfence.audit.client import ProbeClient, ProbeResponse
 from kvfence.audit.fleet import origin
-from kvfence.audit.transfer_probe import MAX_TOKENS, Outcome, Probe, Prompt, Route, classify
 
 ROOM_BITS = 63  # SGLang's routers draw rooms below 2**63
 SGLANG_BOOTSTRAP_PORT = 8998  # SGLang's default: named at the public URL where none is listed

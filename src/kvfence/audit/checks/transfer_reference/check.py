@@ -23,7 +23,7 @@ The probe, per route (the public URL and every worker the fleet exposes):
    first blocks (no reference) is compared with its own salted continuation, through the
    public URL and at the route: a difference means the foreign KV entered the prefix cache
    under B's tokens, where every later request with that prefix reads it.
-5. SGLang's reference, the bootstrap room (transfer_bootstrap.py): B names the room of
+5. SGLang's reference, the bootstrap room (bootstrap.py): B names the room of
    A's transfer at the public URL and at every decode worker. Both probes run on every
    target: a field an engine does not know is refused (kvfence: a 400 naming it) or
    ignored (B's own answer), and either holds.
@@ -37,10 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfence.audit.base import CheckResult, JSONValue, Verdict
-from kvfence.audit.check import AuditContext, Check
-from kvfence.audit.targets.base import Target, parse_prometheus, samples_named
-from kvfence.audit.transfer_bootstrap import probe_bootstrap
-from kvfence.audit.transfer_probe import (
+from kvfence.audit.checks.transfer_reference.bootstrap import probe_bootstrap
+from kvfence.audit.checks.transfer_reference.probe import (
     MAX_TOKENS,
     Outcome,
     Probe,
@@ -48,6 +46,8 @@ from kvfence.audit.transfer_probe import (
     classify,
     routes_of,
 )
+from kvfence.audit.contract import AuditContext, Check
+from kvfence.audit.targets.base import Target, parse_prometheus, samples_named
 
 FIELD = "kv_transfer_params"  # vLLM's transfer reference, in requests and prefill answers
 ASK = {"do_remote_decode": True}  # what vllm-router sends prefill to get a reference

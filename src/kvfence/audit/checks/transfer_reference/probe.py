@@ -1,7 +1,7 @@
 """What the transfer-reference probes share: routes, prompts that tell whose KV, outcomes.
 
 Both probes (vLLM's `kv_transfer_params`, transfer_reference.py; SGLang's bootstrap
-fields, transfer_bootstrap.py) prove whose KV decode read by construction: tenant A's
+fields, bootstrap.py) prove whose KV decode read by construction: tenant A's
 and tenant B's prompts have equal length and the same last tokens, and their greedy
 continuations, computed beforehand under fresh cache salts, differ. B's answer equal to
 A's continuation is A's KV; B's own is B's; anything else is KV that is not B's.
@@ -13,8 +13,8 @@ import secrets
 from dataclasses import dataclass, field
 
 from kvfence.audit.base import JSONValue
-from kvfence.audit.check import AuditContext
 from kvfence.audit.client import ProbeClient, ProbeResponse
+from kvfence.audit.contract import AuditContext
 from kvfence.audit.fleet import origin, parse_workers
 from kvfence.audit.prompts import random_words
 from kvfence.audit.targets.base import Target

@@ -1,0 +1,1 @@
+"""Capacity: the pool holds the longest request the target admits, with headroom."""

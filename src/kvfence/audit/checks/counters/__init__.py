@@ -1,0 +1,1 @@
+"""Counters: the engine's own isolation and transfer failure counters do not move."""

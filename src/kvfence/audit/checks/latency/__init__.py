@@ -1,0 +1,1 @@
+"""Latency: a long prompt answered as fast as a short one was not prefilled (KV reused)."""
