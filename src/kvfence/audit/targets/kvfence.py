@@ -2,6 +2,8 @@
 
 The audit reads kvfence like any other engine — over HTTP only — so a lab
 server is recognised only by what it says (`lab.faults`), never by a backdoor.
+Its `version` (in `/server_info`, as in `/version`) is recorded; the figures'
+meaning is the `/server_info` schema itself, the same in every version.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from kvfence.audit.targets.base import (
     tokenizer_fact,
     unanswered,
 )
+from kvfence.audit.targets.versions import version_fact
 
 SERVER_INFO = "/server_info"
 OPENAPI = "/openapi.json"
@@ -54,6 +57,7 @@ class KvfenceTarget(Target):
             return facts
         if not model.known and isinstance(info.get("model"), str):
             facts.model = Fact(info["model"], "GET /server_info model")
+        facts.extra["version"] = version_fact(info.get("version"), "GET /server_info version")
         _read_sizes(facts, info)
         _read_prefix_cache(facts, info)
         facts.tokenizer = tokenizer_fact(client)

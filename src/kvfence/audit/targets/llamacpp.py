@@ -6,6 +6,11 @@ they all draw on ONE shared pool of that size; with `-np N` each slot owns
 therefore reports the per-slot `n_ctx` as a *lower bound* of the pool, with
 a note, and never claims the sum over slots. Its length rule: a prompt must
 be shorter than the slot's `n_ctx`; a too-large max_tokens is cut silently.
+
+`/props` `build_info` ("b6500-abcdef0") is recorded as the version. The pool
+rule does not depend on it: one slot's `n_ctx` is the whole pool in every
+build (per-slot and unified KV alike), and with several slots it is the most
+one request holds — short of the need it fails, at or above it never passes.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from kvfence.audit.targets.base import (
     samples_named,
     tokenizer_fact,
 )
+from kvfence.audit.targets.versions import version_fact
 
 
 class LlamacppTarget(Target):
@@ -42,6 +48,9 @@ class LlamacppTarget(Target):
         facts = TargetFacts(engine=Fact("llamacpp", "GET /props"), model=model)
         props = ep.json("/props") or {}
         dgs = props.get("default_generation_settings")
+        facts.extra["version"] = version_fact(
+            props.get("build_info"), "GET /props build_info", "not stated by this build"
+        )
         _read_context(facts, ep, props, entry)
         facts.page_size = Fact.unknown(
             "llama-server", "no paged KV over HTTP (contiguous per slot)"

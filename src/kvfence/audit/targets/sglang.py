@@ -16,6 +16,12 @@ source). What this adapter adds on top:
   the OpenAI routes in 0.5.23; a client's `bootstrap_room` passes unchanged.
 - a router (`sglang-router`) answers `/get_server_info` with
   `router_manager`: that is `targets.routers`, never this adapter.
+- the server info's `version` picks the rules: those read in 0.4.6 and
+  0.5.23 agree on what the pool figures mean, so releases between them are
+  read by them; a version outside, or none stated, leaves the pool unknown.
+- a hybrid sliding-window model (`memory_usage.token_capacity_swa` set on a
+  rank) splits its KV into a full-attention and a sliding-window pool; how a
+  long request is sized across the two was not read, so no pass on it.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from kvfence.audit.targets.sglang_shapes import (
     role_fact,
     version_tuple,
 )
+from kvfence.audit.targets.versions import ReadRange, version_fact
 
 INFO_PATHS = ("/server_info", "/get_server_info")
 PD_COUNTERS = (
@@ -50,6 +57,7 @@ PD_COUNTERS = (
     "sglang:num_bootstrap_failed_reqs_total",
 )
 PD_ROLES = ("prefill", "decode", "mixed")
+READ = ReadRange("SGLang", (0, 4, 6), (0, 5, 23), depth=3)
 
 
 def server_info(ep: Endpoints) -> tuple[dict[str, Any] | None, str]:
@@ -78,6 +86,39 @@ def counters_from(samples: list[Sample] | None, role: Fact, source: str) -> dict
                 f"{source} {name}", why if samples is None else "absent from /metrics"
             )
     return out
+
+
+def swa_ranks(info: dict[str, Any]) -> list[int]:
+    """Ranks whose memory usage states a sliding-window pool beside the full one."""
+    states = info.get("internal_states")
+    out = []
+    for i, st in enumerate(states if isinstance(states, list) else []):
+        mem = st.get("memory_usage") if isinstance(st, dict) else None
+        if isinstance(mem, dict) and mem.get("token_capacity_swa") not in (None, 0):
+            out.append(i)
+    return out
+
+
+def pool_by_version(
+    pool: Fact, info: dict[str, Any], stated: Fact, version: tuple[int, ...] | None
+) -> Fact:
+    """The pool as the stated version's rules read it, or unknown naming version / option."""
+    why = READ.unknown_rules(version, stated, "max_total_num_tokens / token_capacity")
+    seen = f" (it reads {pool.value:,} by {READ.named()}'s rules)" if pool.known else ""
+    if why is not None:
+        return Fact.unknown(f"{pool.source}; {stated.source} {stated.value}", why + seen)
+    swa = swa_ranks(info)
+    if swa:
+        return Fact.unknown(
+            f"{pool.source}; memory_usage.token_capacity_swa",
+            f"ranks {swa} run a hybrid sliding-window pool beside the full-attention one: how "
+            f"{READ.named()} sizes one long request across the two was not read, so neither "
+            f"figure proves it fits{seen}",
+        )
+    rule = f"SGLang {stated.value} ({stated.source}), rules of {READ.named()}"
+    if not pool.known:
+        return Fact.unknown(pool.source, f"{pool.note}; {rule}")
+    return Fact(pool.value, pool.source, f"{rule}: {pool.note}" if pool.note else rule)
 
 
 class SglangTarget(Target):
@@ -130,10 +171,13 @@ class SglangTarget(Target):
         most = max_input_most(info, path, facts.context_length, facts.max_input)
         if most is not None:
             facts.extra["max_input_most"] = most
+        stated = version_fact(info.get("version"), f"GET {path} version")
+        facts.extra["version"] = stated
+        facts.pool_tokens = pool_by_version(facts.pool_tokens, info, stated, version)
         ps, _ = json_int(info, "page_size")
         facts.page_size = Fact(ps, f"GET {path} page_size") if ps else Fact.unknown(path)
         facts.prefix_caching = self._prefix_caching(info, path, role)
-        for key in ("disaggregation_mode", "dp_size", "attn_dp_size", "version"):
+        for key in ("disaggregation_mode", "dp_size", "attn_dp_size"):
             v = info.get(key)
             if isinstance(v, str | int) and not isinstance(v, bool):
                 facts.extra[key] = Fact(v, f"GET {path} {key}")

@@ -11,27 +11,29 @@ other v2 models it is a batch budget, not a paged pool (said in the note).
 From 2.3 the v3 backend refuses to start (`NotEnoughMemory`) unless its pool
 holds `max_total_tokens`: a start-up guarantee of one full request, never of
 headroom — so it is reported as `extra["pool_guarantee_tokens"]` and the
-capacity gate decides from it only at headroom 1.0. Length rule
+capacity gate decides from it only at headroom 1.0. The guarantee and the
+pool field hold for the versions read (2.0 to 3.3); a version outside them,
+or none stated, gives neither (the guarantee is a release's behaviour, not a
+field the server shows). Length rule
 (`validation.rs`): input <= max_input_tokens and input + max_new_tokens <=
 max_total_tokens.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any, ClassVar
 
 from kvfence.audit.base import Fact
 from kvfence.audit.client import ProbeClient
 from kvfence.audit.targets.base import Endpoints, Target, TargetFacts, json_int, models_fact
+from kvfence.audit.targets.versions import ReadRange, Version, parse_version, version_fact
 
 NO_POOL_FIELD = (2, 3)  # from 2.3.0 /info carries no max_batch_total_tokens
+READ = ReadRange("TGI", (2, 0), (3, 3))
 
 
-def _version(info: dict[str, Any]) -> tuple[int, ...] | None:
-    v = info.get("version")
-    nums = re.findall(r"\d+", v)[:3] if isinstance(v, str) else []
-    return tuple(int(n) for n in nums) or None
+def _version(info: dict[str, Any]) -> Version | None:
+    return parse_version(info.get("version"))
 
 
 class TgiTarget(Target):
@@ -59,11 +61,20 @@ class TgiTarget(Target):
         if total is not None:
             facts.context_length = Fact(total, "GET /info max_total_tokens")
         facts.max_input = _max_input(info, total, version)
+        stated = version_fact(info.get("version"), "GET /info version")
         facts.pool_tokens = _pool(info, version)
-        if total is not None and (version is None or version >= NO_POOL_FIELD):
+        unknown_rules = READ.unknown_rules(version, stated, "max_batch_total_tokens")
+        if unknown_rules is not None:
+            seen = f" (it states {facts.pool_tokens.value:,})" if facts.pool_tokens.known else ""
+            facts.pool_tokens = Fact.unknown(
+                f"{facts.pool_tokens.source}; {stated.source}",
+                f"{unknown_rules}{seen}; nor is a start-up guarantee known for it",
+            )
+        elif total is not None and version is not None and version >= NO_POOL_FIELD:
             facts.extra["pool_guarantee_tokens"] = Fact(
                 total,
-                "TGI >= 2.3 v3 backend start-up (NotEnoughMemory below max_total_tokens)",
+                f"TGI {stated.value} v3 backend start-up (NotEnoughMemory below "
+                "max_total_tokens; read in 2.3 to 3.3)",
                 "the pool holds at least one full request; no headroom is promised",
             )
         facts.prefix_caching = Fact.unknown("GET /info", "not reported")

@@ -1,4 +1,4 @@
-"""vLLM: `/metrics` (`vllm:cache_config_info`, NIXL series), `/v1/models`, `/tokenize`.
+"""vLLM: `/version`, `/metrics` (`vllm:cache_config_info`, NIXL series), `/v1/models`, `/tokenize`.
 
 Read in vLLM 0.32's and 0.33's source (`v1/metrics/loggers.py`,
 `v1/engine/core_client.py`, `v1/core/kv_cache_utils.py`, `config/cache.py`,
@@ -21,6 +21,18 @@ Read in vLLM 0.32's and 0.33's source (`v1/metrics/loggers.py`,
   `…_notifications_after_expiry`), and `vllm:num_requests_kv_fetch_by_stage`
   only on a KV consumer (decode) or `kv_both` node.
 - Length rule: prompt + max_tokens <= max_model_len.
+- `GET /version` states the release (`{"version": "0.32.0"}`). The rules above
+  are those of 0.32 and 0.33 (`READ`); a stated version outside them leaves
+  the pool unknown, naming the version. Unstated (a proxy that passes only
+  /metrics and /v1), the label set decides: `kv_cache_size_tokens` has been
+  group-aware since it was added, and without it the pool is unknown.
+- `kv_cache_size_tokens` is per engine and already whole-request tokens under
+  tensor / pipeline parallelism (every worker holds the same block count) and
+  decode context parallelism (each rank's share of `max_model_len` is what
+  sizes a request); an offload tier is a cache, never counted in it.
+- `--kv-offloading-size` (label `kv_offloading_size`) configures an offloading
+  connector with role `kv_both`, so a single node exports the consumer-only
+  `vllm:num_requests_kv_fetch_by_stage` without being anyone's decode node.
 """
 
 from __future__ import annotations
@@ -39,7 +51,16 @@ from kvfence.audit.targets.base import (
     samples_named,
     tokenizer_fact,
 )
+from kvfence.audit.targets.versions import (
+    ReadRange,
+    Version,
+    parse_version,
+    said,
+    version_fact,
+)
 
+READ = ReadRange("vLLM", (0, 32), (0, 33))
+VERSION_PATH = "/version"
 CACHE_INFO = "vllm:cache_config_info"
 SRC = f"GET /metrics {CACHE_INFO}"
 KV_FETCH = "vllm:num_requests_kv_fetch_by_stage"
@@ -69,9 +90,27 @@ def is_hybrid(labels: dict[str, str]) -> bool:
     return labels.get("mamba_block_size", "None") != "None"
 
 
+def offloading(samples: list[Sample] | None) -> str | None:
+    """The `kv_offloading_size` label (GiB) when an offloading connector is configured."""
+    for s in samples_named(samples or [], CACHE_INFO):
+        size = s.labels.get("kv_offloading_size", "None")
+        if size not in ("None", ""):
+            return size
+    return None
+
+
 def pd_role(samples: list[Sample] | None) -> Fact | None:
     """The node's P/D role as its metrics show it; None when it shows no KV transfer."""
     names = {s.name for s in samples or []}
+    nixl = any(n.startswith("vllm:nixl_") for n in names)
+    offload = offloading(samples)
+    if KV_FETCH in names and offload is not None and not nixl:
+        return Fact(
+            "unified",
+            f"GET /metrics {CACHE_INFO} kv_offloading_size={offload}",
+            f"an offloading connector (kv_both) exports {KV_FETCH} on a single node: it "
+            "serves whole requests, its pool is the one the gate needs",
+        )
     if KV_FETCH in names:
         return Fact(
             "decode",
@@ -122,6 +161,8 @@ class VllmTarget(Target):
         ep = Endpoints(client)
         model, entry = models_fact(ep)
         facts = TargetFacts(engine=Fact("vllm", "GET /metrics vllm:*"), model=model)
+        stated = stated_version(ep)
+        facts.extra["version"] = stated
         mml, _ = json_int(entry, "max_model_len")
         facts.context_length, facts.max_input = _limits(mml)
         samples = ep.metrics()
@@ -131,7 +172,7 @@ class VllmTarget(Target):
         elif not infos:
             facts.pool_tokens = Fact.unknown(SRC, "gauge absent")
         else:
-            cache_facts(facts, [s.labels for s in infos])
+            cache_facts(facts, [s.labels for s in infos], stated)
         role = pd_role(samples)
         if role is not None:
             facts.extra["pd_role"] = role
@@ -166,8 +207,20 @@ def _limits(mml: int | None) -> tuple[Fact, Fact]:
     return Fact(mml, src), Fact(mml - 1, f"{src} - 1", rule)
 
 
-def cache_facts(facts: TargetFacts, series: list[dict[str, str]]) -> None:
-    """Pool, page size and prefix caching from the `vllm:cache_config_info` series."""
+def stated_version(ep: Endpoints) -> Fact:
+    """`GET /version` as vLLM states it."""
+    body = ep.json(VERSION_PATH)
+    why = f"GET {VERSION_PATH} {ep.get(VERSION_PATH).outcome()}" if body is None else "absent"
+    return version_fact((body or {}).get("version"), f"GET {VERSION_PATH} version", why)
+
+
+def cache_facts(
+    facts: TargetFacts,
+    series: list[dict[str, str]],
+    stated: Fact | None = None,
+) -> None:
+    """Pool, page size and prefix caching from the `vllm:cache_config_info` series, by the
+    rules of the version the engine states (`stated`, from GET /version)."""
     first = series[0]
     bs = _label_int(first, "block_size")
     if bs is not None:
@@ -185,6 +238,37 @@ def cache_facts(facts: TargetFacts, series: list[dict[str, str]]) -> None:
         facts.extra["data_parallel_engines"] = Fact(len(series), f"{SRC} (one series per engine)")
     else:
         facts.pool_tokens = _one_engine_pool(first)
+    stated = stated or Fact.unknown(f"GET {VERSION_PATH} version", "not read")
+    facts.pool_tokens = by_version(facts.pool_tokens, stated, parse_version(stated.value))
+    size = first.get("kv_offloading_size", "None")
+    if size not in ("None", ""):
+        facts.extra["kv_offloading"] = Fact(
+            f"{size} GiB ({first.get('kv_offloading_backend', '?')})",
+            f"{SRC} kv_offloading_size / kv_offloading_backend",
+            "an offload tier caches evicted prefixes; it is not KV a running request can use, "
+            "so the pool stays the device pool",
+        )
+
+
+def by_version(pool: Fact, stated: Fact, version: Version | None) -> Fact:
+    """The pool as the stated version's rules read it; unknown outside the versions read."""
+    if version is None:
+        if not pool.known:
+            return pool
+        return Fact(
+            pool.value,
+            pool.source,
+            f"{pool.note}; vLLM {said(stated)}: the label set decides, and "
+            "kv_cache_size_tokens is group-aware wherever it exists",
+        )
+    why = READ.unknown_rules(version, stated, f"{CACHE_INFO}'s pool labels")
+    if why is not None:
+        seen = f" (it reads {pool.value:,} by {READ.named()}'s rules)" if pool.known else ""
+        return Fact.unknown(f"{pool.source}; {stated.source} {stated.value}", why + seen)
+    rule = f"vLLM {stated.value} ({stated.source}), rules of {READ.named()}"
+    if not pool.known:
+        return Fact.unknown(pool.source, f"{pool.note}; {rule}")
+    return Fact(pool.value, pool.source, f"{rule}: {pool.note}")
 
 
 def _one_engine_pool(labels: dict[str, str]) -> Fact:
@@ -202,7 +286,12 @@ def _one_engine_pool(labels: dict[str, str]) -> Fact:
             "absent, and blocks × block_size is wrong for a hybrid model (mamba_block_size set)",
         )
     if blocks is not None and bs is not None:
-        return Fact(blocks * bs, f"{SRC} num_gpu_blocks×block_size", guarantee)
+        return Fact.unknown(
+            f"{SRC} kv_cache_size_tokens",
+            f"absent; num_gpu_blocks×block_size = {blocks * bs} is the pool only for a model "
+            "with one uniform KV-cache group, which these labels cannot show (sliding-window "
+            "and Mamba hybrids draw every group's blocks from one pool)",
+        )
     return Fact.unknown(SRC, "labels lack kv_cache_size_tokens and num_gpu_blocks/block_size")
 
 
