@@ -47,13 +47,13 @@ for i in range({int(3 * STALL_S / 0.5)}):
     time.sleep(0.5)
 {SERVE}
 """
-# Prints one line, then computes silently for 3 stall windows of CPU time (an import or a
-# weight load at high load), then listens.
+# Prints one line, then computes silently for 3 stall windows (an import or a weight load
+# at high load: however small its share of a core, it spends CPU time), then listens.
 SILENT_WORKER = f"""
 import time
 print("importing", flush=True)
-end = time.process_time() + {3 * STALL_S}
-while time.process_time() < end:
+end = time.monotonic() + {3 * STALL_S}
+while time.monotonic() < end:
     sum(range(10000))
 {SERVE}
 """
