@@ -9,7 +9,6 @@ failing gate exits 1 with the gate's message on stderr.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +22,7 @@ from kvfence.faults import FaultSet
 from kvfence.kv.scrub import ScrubPolicy
 from kvfence.model.config import MODEL_KINDS
 from kvfence.model.tiny import PRESETS, default_checkpoint_dir
+from kvfence.serve.announce import announce
 from kvfence.serve.config import Capacity, ServeConfig
 from kvfence.serve.pd.spec import CROSS_PROCESS, WorkerSpec, is_loopback
 from kvfence.serve.per_role import parse_per_role
@@ -266,8 +266,7 @@ def serve(
         from kvfence.serve.pd.cli import pd_main
         from kvfence.serve.transfer.native import missing_native
 
-        missing = missing_native(transport)
-        if missing is not None:
+        if (missing := missing_native(transport)) is not None:
             raise click.UsageError(missing)
 
         sys.exit(pd_main(params, faults, tenants, model_dir, announce))
@@ -377,28 +376,3 @@ def _tenants(
         return registry.with_operator_keys(keys)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--operator-key") from None
-
-
-def announce(url: str, tenants: TenantRegistry, model: str, gate: str) -> None:
-    """The lines a server prints once it listens: gate verdict, URL, keys, a curl to try."""
-    click.echo(gate)
-    click.echo(f"kvfence serving {model} at {url}  (OpenAI base URL: {url}/v1)")
-    if tenants.auth == "none":
-        click.echo("auth: none (dev mode, single tenant 'default')")
-        key_header = ""
-    else:
-        for t in tenants.tenants:
-            click.echo(f"tenant {t.name}: key {t.keys[0]}")
-        if tenants.operator_keys:
-            click.echo(
-                f"operator key: {tenants.operator_keys[0]} (/metrics, pool usage, lab facts)"
-            )
-        else:
-            click.echo("no operator key: /metrics and operator facts answer 403 to every key")
-        key_header = f' -H "Authorization: Bearer {tenants.tenants[0].keys[0]}"'
-    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 8})
-    click.echo(
-        f"try: curl -s {url}/v1/completions -H 'Content-Type: application/json'"
-        f"{key_header} -d '{body}'"
-    )
-    sys.stdout.flush()

@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
     except SpecError as e:
         print(f"kvfence router: {e}", file=sys.stderr)
         return EXIT_BAD_SPEC
-    from kvfence.serve.cli import announce  # the router's own lines: URL, keys, gate
+    from kvfence.serve.announce import announce  # the router's own lines: URL, keys, gate
     from kvfence.serve.startup import collector_paused
 
     with collector_paused():  # start-up imports (serve/startup.py)
