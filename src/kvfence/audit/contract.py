@@ -2,8 +2,8 @@
 
 The values a check returns (verdicts, facts, results) are in `audit.base`.
 
-Contract for every check (capacity, boundary, canary, counters, noninterference,
-latency, prefix sharing):
+Contract for every check (each in its package under `audit.checks`, named in
+`audit.check_table`):
 
 - A check is a `Check` subclass with a unique `name` and a `run(ctx, target)`
   that returns one `CheckResult` for one target. It talks to the target only
