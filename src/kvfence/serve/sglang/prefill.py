@@ -236,6 +236,9 @@ class PrefillSide(PairSide):
     def outstanding(self) -> list[PageHandle]:
         return self.engine.outstanding_handles()
 
+    def evictable_pages(self) -> int:
+        return self.engine.cache.num_evictable  # a count kept as references change: no walk
+
     def fail_all(self, why: str) -> None:
         for room in list(self.live):
             self._end(room, Failure(room, ErrorInfo(500, "server_error", why)))
