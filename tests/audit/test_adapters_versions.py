@@ -232,6 +232,19 @@ def test_tgi_read_version_keeps_its_guarantee_and_names_it(replay: ReplayServer)
     assert "TGI 3.3.7 v3 backend" in res.evidence["pool_tokens"]["source"]
 
 
+def test_a_start_up_guarantee_below_the_need_is_no_proof_of_a_short_pool(
+    replay: ReplayServer,
+) -> None:
+    """3.3.7 promises a pool of at least max_total_tokens (8,192); its real size is not
+    stated, so an operator context of 9,000 is neither covered nor shown to be short."""
+    tgi(replay, "3.3.7", "3.3.7")
+    res = capacity(replay.url, headroom=1.0, context=9000)
+    assert res.verdict is Verdict.INCONCLUSIVE, res.summary
+    assert "lower bound" in res.summary and "pool 8,192 < context 9,000" in res.summary
+    assert "fixes" not in res.evidence
+    assert capacity(replay.url, headroom=1.0, context=8192).verdict is Verdict.PASS
+
+
 def test_tgi_batch_pool_of_an_older_version_than_read_is_unknown(replay: ReplayServer) -> None:
     tgi(replay, "2.2.0", "1.4.5")
     res = capacity(replay.url)

@@ -8,7 +8,8 @@ INCONCLUSIVE — a gate that cannot read the pool must block, not pass.
   own pool; the verdict is the worst, and a failure names the node.
 - A decode node alone is never a pass: its pool is not the reject path's.
 - A start-up guarantee (`extra["pool_guarantee_tokens"]`, TGI 3.x) stands in
-  for an unreported pool only at headroom 1.0 — it promises one request.
+  for an unreported pool only at headroom 1.0 — it promises one request. It is
+  a lower bound: it can pass the gate, and below the need it is inconclusive.
 - A pool that may be shared between slots (`extra[SHARED_POOL_KEY]`,
   llama.cpp's automatic slots) is the most one request can hold, not what it
   is sure to get: short of the requirement it fails, at or above it the gate
@@ -57,11 +58,26 @@ class CapacityCheck(Check):
                 return self._only_guaranteed(target, guarantee, ctx.headroom, evidence)
             pool = guarantee  # at headroom 1.0 the start-up guarantee is the whole claim
             evidence["pool_tokens"] = pool.to_json()
+            return self._at_least(self._gate(target, pool, context, ctx.headroom, evidence))
         res = self._gate(target, pool, context, ctx.headroom, evidence)
         shared = facts.extra.get(SHARED_POOL_KEY)
         if shared is None or shared.value is not True or pool.as_int() is None:
             return res
         return self._bound(res, pool, shared)
+
+    @staticmethod
+    def _at_least(res: CheckResult) -> CheckResult:
+        """A start-up guarantee is a lower bound of the pool: it can pass the gate, but a
+        guarantee below the need proves nothing about the pool's real size."""
+        if res.verdict is Verdict.FAIL:
+            res.verdict = Verdict.INCONCLUSIVE
+            res.evidence.pop("fixes", None)
+            res.summary = (
+                f"{res.summary.split(':')[0]}, but that pool is only the start-up guarantee, a "
+                "lower bound: the real pool may hold more, so a guarantee below the need is no "
+                "proof of a short pool (the engine does not report its pool size)"
+            )
+        return res
 
     def _bound(self, res: CheckResult, pool: Fact, shared: Fact) -> CheckResult:
         """A pool that may be shared between slots: it can fail the gate, never pass it."""
