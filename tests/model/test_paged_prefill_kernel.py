@@ -133,3 +133,68 @@ def test_prefill_kernel_reads_q_in_place_from_a_wider_projection(
     for layer in range(2):
         got = kernel.attend(pool, layer, view, plan, scale=0.25)
         assert torch.equal(got, kernel.attend(pool, layer, q.contiguous(), plan, scale=0.25))
+
+
+# Long context: rows whose keys reach past the kernel's long-row threshold (2,048 keys), where
+# it takes longer query blocks. Lengths are off every page, tile and block multiple: a prompt
+# from 0, chunks after a cached prefix (one crossing the threshold, one at 3k), a short row
+# and a decode row at long context in the same step.
+LONG_ROWS = [(0, 2101), (2040, 97), (2999, 333), (0, 45), (2500, 1)]
+
+
+def _long_step(page_size: int) -> tuple[KVPool, AttentionPlan, torch.Tensor]:
+    config = heads_config(64, 9, 3)
+    need = sum(-(-(c + n) // page_size) for c, n in LONG_ROWS)
+    pool = make_pool(config, need + 8, page_size=page_size)
+    pool.k.normal_()
+    pool.v.normal_()
+    rows = []
+    for i, (cached, new) in enumerate(LONG_ROWS):
+        owner = pool.register_owner(f"long{i}")
+        pages = pool.allocate(owner, pool.geometry.pages_for(cached + new))
+        rows.append(RowSpec(pages, owner, [1] * new, start=cached))
+    batch = build_forward_batch(page_size, rows)
+    q = torch.randn(batch.positions.numel(), config.num_heads, config.head_dim) * 2
+    return pool, CPUAttention(kernel=False).plan(pool, batch), q
+
+
+@pytest.mark.parametrize(
+    ("page_size", "window", "threads"), [(16, None, 2), (3, 777, 2), (16, 777, 1), (3, None, 1)]
+)
+def test_prefill_kernel_equals_the_gather_path_at_long_context(
+    page_size: int, window: int | None, threads: int
+) -> None:
+    torch.set_num_threads(threads)
+    torch.manual_seed(3)
+    pool, plan, q = _long_step(page_size)
+    kernel, reference = CPUAttention(), CPUAttention(kernel=False)
+    assert kernel._prefill_in_place(pool, q)
+    got = kernel.attend(pool, 0, q, plan, scale=0.125, window=window)
+    want = reference.attend(pool, 0, q, plan, scale=0.125, window=window)
+    assert (got - want).abs().max() <= ATOL
+
+
+def test_prefill_kernel_reads_no_slot_past_a_long_row() -> None:
+    """As above at long context: NaN in every slot no token of a row may attend (other rows'
+    pages, its last page's tail, free pages) leaves that row's output unchanged."""
+    torch.set_num_threads(2)
+    torch.manual_seed(4)
+    page_size = 16
+    pool, plan, q = _long_step(page_size)
+    kernel = CPUAttention()
+    clean = kernel.attend(pool, 0, q, plan, scale=0.125)
+    batch = plan.batch
+    for p in plan.prefill:
+        top = min(int(batch.positions[p.start : p.end].max()) + 1, p.length)
+        table = batch.pages.pages[p.row]
+        keys = torch.arange(top)
+        seen = torch.zeros(pool.k.shape[1] * page_size, dtype=torch.bool)
+        seen[table[keys // page_size] * page_size + keys % page_size] = True
+        saved_k, saved_v = pool.k[0].clone(), pool.v[0].clone()
+        pool.k[0].view(-1, 3, 64)[~seen] = float("nan")
+        pool.v[0].view(-1, 3, 64)[~seen] = float("nan")
+        got = kernel.attend(pool, 0, q, plan, scale=0.125)[p.start : p.end]
+        assert torch.isfinite(got).all(), f"row {p.row} read a slot it may not attend"
+        assert torch.equal(got, clean[p.start : p.end])
+        pool.k[0].copy_(saved_k)
+        pool.v[0].copy_(saved_v)

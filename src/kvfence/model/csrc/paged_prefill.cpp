@@ -14,16 +14,19 @@
 // Flash attention in two passes per call. Pass 1 lays each row's keys out per KV
 // head in tiles of 16 (whatever the page size), transposed to [D][16], and notes
 // where each key's value lies; it is the only pass that reads the table. Pass 2 runs
-// one job per (row, KV head, block of 16 query tokens): the block's tokens times the
-// KV head's query group are its query vectors, and a score tile of 8 of them is D
-// fused multiply-adds of a broadcast query element by a vector of 16 keys. Keys are
+// one job per (row, KV head, block of 16 query tokens, 64 in a row of 2,048 keys or
+// more): the block's tokens times the KV head's query group are its query vectors,
+// and a score tile of 8 of them is D fused multiply-adds of a broadcast query element
+// by a vector of 16 keys. Keys are
 // taken in spans of two tiles where two remain (32 keys: one maximum, one rescale of
 // the outputs per span, and two independent accumulators per query vector), else one.
 // The softmax is online (a running maximum and sum per query vector), the exp the
 // polynomial of vec.h on whole vectors; only spans that cross a query's position
 // pay for a mask. Jobs are taken longest first (the blocks at the end of a prompt
-// attend the most keys) on the spin pool's threads. bench/prefill.py measures it
-// against torch's SDPA over the gathered pages.
+// attend the most keys) on the spin pool's threads: a chunk of 512 tokens is 24 jobs
+// or more (SmolLM2's 3 KV heads), so two threads finish within one job of each other. bench/prefill.py
+// measures it against torch's SDPA over the gathered pages; bench/long_prompts.py at
+// 2k-8k tokens.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -49,6 +52,12 @@ using kvf::vf;
 typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
 
 constexpr int64_t kBlock = 16;  // query tokens per job
+// A row attending at least kLongKeys keys takes kLongBlock tokens per job instead: its K/V
+// per KV head (2 MiB at 4,096 keys of dim 64) no longer stay in a core's L2 between jobs,
+// and each job streams them once, so a longer block streams them fewer times per query.
+// A short row keeps short blocks, which give both threads enough jobs.
+constexpr int64_t kLongKeys = 2048;
+constexpr int64_t kLongBlock = 64;
 constexpr int kRows = 8;         // query vectors per score tile (independent FMA chains)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -78,9 +87,19 @@ inline float hsum(vf v) {
 }
 
 // exp of each lane, every lane <= 0: vec.h's polynomial (Cephes' expf) on whole vectors.
+// With AVX-512 the floor and the 2^n scale are one instruction each (roundscale, scalef)
+// instead of two conversions, a compare and a bit shift; the result is bit for bit the same
+// (an exact floor, then one rounding of p * 2^n either way). It runs for every 16 scores.
 inline vf exp_vec(vf x) {
   x = vmax(x, splat(-87.0f));
   const vf y = x * 1.44269504088896341f + 0.5f;
+#if defined(__AVX512F__)
+  if (kLanes == 16) {
+    const vf n = (vf)_mm512_roundscale_ps((__m512)y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const vf r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    return (vf)_mm512_scalef_ps((__m512)kvf::exp_poly(r), (__m512)n);
+  }
+#endif
   vf n = __builtin_convertvector(__builtin_convertvector(y, vi), vf);  // toward zero
   n = n > y ? n - 1.0f : n;                                            // floor
   const vf r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
@@ -360,9 +379,10 @@ extern "C" int kvf_paged_prefill(
   if (bad.load()) return 1;  // no query has read anything yet
   std::vector<Job> jobs;
   for (const Row& row : prefill)
-    for (int64_t t0 = row.start; t0 < row.end; t0 += kBlock)
+    for (int64_t t0 = row.start, blk = row.hi >= kLongKeys ? kLongBlock : kBlock; t0 < row.end;
+         t0 += blk)
       for (int64_t kh = 0; kh < KVH; ++kh)
-        jobs.push_back(Job{&row, t0, std::min(row.end, t0 + kBlock), kh});
+        jobs.push_back(Job{&row, t0, std::min(row.end, t0 + blk), kh});
   // Longest first: a block's work grows with the position of its last token.
   std::stable_sort(jobs.begin(), jobs.end(), [&](const Job& a, const Job& b) {
     return positions[a.t1 - 1] > positions[b.t1 - 1];
