@@ -17,16 +17,17 @@
 // one job per (row, KV head, block of 16 query tokens, 64 in a row of 2,048 keys or
 // more): the block's tokens times the KV head's query group are its query vectors,
 // and a score tile of 8 of them is D fused multiply-adds of a broadcast query element
-// by a vector of 16 keys. Keys are
-// taken in spans of two tiles where two remain (32 keys: one maximum, one rescale of
-// the outputs per span, and two independent accumulators per query vector), else one.
-// The softmax is online (a running maximum and sum per query vector), the exp the
-// polynomial of vec.h on whole vectors; only spans that cross a query's position
-// pay for a mask. Jobs are taken longest first (the blocks at the end of a prompt
-// attend the most keys) on the spin pool's threads: a chunk of 512 tokens is 24 jobs
-// or more (SmolLM2's 3 KV heads), so two threads finish within one job of each other. bench/prefill.py
-// measures it against torch's SDPA over the gathered pages; bench/long_prompts.py at
-// 2k-8k tokens.
+// by a vector of 16 keys. Keys are taken in spans of four tiles where four remain (64
+// keys: one maximum, one rescale of the outputs and one pass of the values per span),
+// else two, else one; scores are computed two tiles at a time (two independent
+// accumulators per query vector; four would not fit the registers). The softmax is
+// online (a running maximum and sum per query vector), the exp the polynomial of
+// vec.h on whole vectors; only spans that cross a query's position pay for a mask.
+// Jobs are taken longest first (the blocks at the end of a prompt attend the most
+// keys) on the spin pool's threads: a chunk of 512 tokens is 24 jobs or more with
+// SmolLM2's 3 KV heads, so two threads finish within one job of each other.
+// bench/prefill.py measures it against torch's SDPA over the gathered pages,
+// bench/long_prompts.py at 2k-8k tokens against the peers.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -207,7 +208,12 @@ void attend_span(const Block& b, const float* kt, const float* const* vrow, int6
     }
     if (!any) continue;
     vf sc[NT * kRows];
-    score_tiles<D, NT>(b.qs + r0 * D, kt, sc);
+    if constexpr (NT == 4) {  // two calls of two tiles: 8 x 4 accumulators would spill
+      score_tiles<D, 2>(b.qs + r0 * D, kt, sc);
+      score_tiles<D, 2>(b.qs + r0 * D, kt + 2 * D * kLanes, sc + 2 * kRows);
+    } else {
+      score_tiles<D, NT>(b.qs + r0 * D, kt, sc);
+    }
     for (int i = 0; i < kRows; ++i) {
       const int64_t r = r0 + i;
       vi live[NT];
@@ -294,14 +300,17 @@ void attend_block(const Job& job, const Layout& s, std::vector<float>& scratch,
   std::fill(sum, sum + Rp * kLanes, 0.0f);
   const Block b{qs, acc, sum, mx, first, last, Rp};
   const float* kts = row.kt + job.kh * row.tiles * D * kLanes;
-  const float* vrow[2 * kLanes];
-  // Spans of two tiles where two remain below hi, else one.
+  const float* vrow[4 * kLanes];
+  // Spans of four tiles where more than three remain below hi, else of two, else one.
   for (int64_t tile = lo / kLanes; tile * kLanes < hi;) {
-    const int64_t k0 = tile * kLanes, n = std::min<int64_t>(2 * kLanes, hi - k0);
+    const int64_t k0 = tile * kLanes, n = std::min<int64_t>(4 * kLanes, hi - k0);
     for (int64_t j = 0; j < n; ++j) vrow[j] = s.v + row.voff[k0 + j] + job.kh * D;
     const float* kt = kts + tile * D * kLanes;
-    if (n > kLanes) {
-      attend_span<C, 2>(b, kt, vrow, k0, n);
+    if (n > 3 * kLanes) {
+      attend_span<C, 4>(b, kt, vrow, k0, n);
+      tile += 4;
+    } else if (n > kLanes) {
+      attend_span<C, 2>(b, kt, vrow, k0, std::min<int64_t>(n, 2 * kLanes));
       tile += 2;
     } else {
       attend_span<C, 1>(b, kt, vrow, k0, n);
