@@ -113,6 +113,24 @@ def test_vllm_without_group_aware_size_is_never_blocks_times_block_size(
     assert "one uniform KV-cache group" in res.summary
 
 
+@pytest.mark.parametrize(("blocks", "verdict"), [(20, Verdict.FAIL), (21, Verdict.PASS)])
+def test_vllm_null_block_is_not_pool_a_request_can_use(
+    blocks: int, verdict: Verdict, replay: ReplayServer
+) -> None:
+    """kv_cache_size_tokens counts every block, block 0 included, which vLLM keeps as its null
+    block: 20 x 128 = 2,560 states exactly 2,048 x 1.25, yet only 19 blocks hold tokens."""
+    vllm(replay, "0.32.0")
+    text = (VLLM / "0.32.0-single.metrics.txt").read_text()
+    text = text.replace('kv_cache_size_tokens="8192"', f'kv_cache_size_tokens="{blocks * 128}"')
+    text = text.replace('num_gpu_blocks="64"', f'num_gpu_blocks="{blocks}"')
+    replay.routes[("GET", "/metrics")] = Route(200, text, "text/plain")
+    res = capacity(replay.url)
+    assert res.verdict is verdict, res.summary
+    if verdict is Verdict.FAIL:
+        assert "2,432 usable < 2,560, short by 128 tokens" in res.summary
+        assert "null block" in res.summary and res.evidence["usable_tokens"] == 2432
+
+
 def test_vllm_offloading_node_is_unified_not_decode(
     replay: ReplayServer, client: ProbeClient
 ) -> None:

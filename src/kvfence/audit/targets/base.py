@@ -33,6 +33,9 @@ from kvfence.audit.client import ProbeClient, ProbeResponse
 # TargetFacts.extra key: the pool may be shared between slots (llama.cpp's automatic
 # slots), so `pool_tokens` is the most one request can hold, not what it is sure to get.
 SHARED_POOL_KEY = "pool_may_be_shared"
+# TargetFacts.extra / NodeFacts.extra key: tokens `pool_tokens` counts that no request can
+# use (vLLM's null block, block 0 of every pool), so the usable pool is the difference.
+RESERVED_KEY = "pool_reserved_tokens"
 
 
 @dataclass(slots=True)

@@ -42,6 +42,7 @@ from typing import ClassVar
 from kvfence.audit.base import Fact
 from kvfence.audit.client import ProbeClient
 from kvfence.audit.targets.base import (
+    RESERVED_KEY,
     Endpoints,
     Sample,
     Target,
@@ -238,6 +239,9 @@ def cache_facts(
         facts.extra["data_parallel_engines"] = Fact(len(series), f"{SRC} (one series per engine)")
     else:
         facts.pool_tokens = _one_engine_pool(first)
+        reserved = null_block_share(first)
+        if reserved is not None and facts.pool_tokens.known:
+            facts.extra[RESERVED_KEY] = reserved
     stated = stated or Fact.unknown(f"GET {VERSION_PATH} version", "not read")
     facts.pool_tokens = by_version(facts.pool_tokens, stated, parse_version(stated.value))
     size = first.get("kv_offloading_size", "None")
@@ -269,6 +273,20 @@ def by_version(pool: Fact, stated: Fact, version: Version | None) -> Fact:
     if not pool.known:
         return Fact.unknown(pool.source, f"{pool.note}; {rule}")
     return Fact(pool.value, pool.source, f"{rule}: {pool.note}")
+
+
+def null_block_share(labels: dict[str, str]) -> Fact | None:
+    """One block's share of `kv_cache_size_tokens`: the block pool sets block 0 aside as its
+    null block (a placeholder no request can use) while the size counts every block."""
+    tokens = _label_int(labels, "kv_cache_size_tokens")
+    blocks = _label_int(labels, "num_gpu_blocks")
+    if tokens is None or not blocks:
+        return None
+    return Fact(
+        -(-tokens // blocks),
+        f"{SRC} kv_cache_size_tokens / num_gpu_blocks",
+        f"block 0 of the {blocks} is vLLM's null block, a placeholder",
+    )
 
 
 def _one_engine_pool(labels: dict[str, str]) -> Fact:

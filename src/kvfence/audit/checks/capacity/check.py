@@ -23,7 +23,13 @@ from typing import Any
 
 from kvfence.audit.base import CheckResult, Fact, Verdict, worst
 from kvfence.audit.contract import AuditContext, Check
-from kvfence.audit.targets.base import SHARED_POOL_KEY, NodeFacts, Target, TargetFacts
+from kvfence.audit.targets.base import (
+    RESERVED_KEY,
+    SHARED_POOL_KEY,
+    NodeFacts,
+    Target,
+    TargetFacts,
+)
 
 
 def _context_fact(ctx: AuditContext, target: Target, facts_context: Fact) -> Fact:
@@ -59,11 +65,36 @@ class CapacityCheck(Check):
             pool = guarantee  # at headroom 1.0 the start-up guarantee is the whole claim
             evidence["pool_tokens"] = pool.to_json()
             return self._at_least(self._gate(target, pool, context, ctx.headroom, evidence))
-        res = self._gate(target, pool, context, ctx.headroom, evidence)
+        res = self._unusable(self._gate(target, pool, context, ctx.headroom, evidence), facts.extra)
         shared = facts.extra.get(SHARED_POOL_KEY)
         if shared is None or shared.value is not True or pool.as_int() is None:
             return res
         return self._bound(res, pool, shared)
+
+    @staticmethod
+    def _unusable(res: CheckResult, extra: dict[str, Fact]) -> CheckResult:
+        """A pass by less than the tokens the pool counts but no request can use (vLLM's null
+        block) is a proven shortfall: the usable pool is below the requirement."""
+        reserved = extra.get(RESERVED_KEY)
+        held = reserved.as_int() if reserved is not None else None
+        margin, required = res.evidence.get("margin_tokens"), res.evidence.get("required_tokens")
+        if reserved is None or held is None or res.verdict is not Verdict.PASS:
+            return res
+        if not isinstance(margin, int) or not isinstance(required, int) or margin >= held:
+            return res
+        usable = required + margin - held
+        res.verdict = Verdict.FAIL
+        res.evidence.update(
+            reserved_tokens=reserved.to_json(),
+            usable_tokens=usable,
+            shortfall_tokens=required - usable,
+        )
+        res.summary = (
+            f"{res.summary.split(' (margin')[0]} as stated, but {held:,} of it no request can "
+            f"use ({reserved.note}; {reserved.source}): {usable:,} usable < {required:,}, "
+            f"short by {required - usable:,} tokens"
+        )
+        return res
 
     @staticmethod
     def _at_least(res: CheckResult) -> CheckResult:
@@ -188,7 +219,9 @@ class CapacityCheck(Check):
             if node.prefills:
                 own = node.context_length
                 context = _context_fact(ctx, target, own if own.known else fleet_context)
-                res = self._gate(target, node.pool_tokens, context, ctx.headroom, {})
+                res = self._unusable(
+                    self._gate(target, node.pool_tokens, context, ctx.headroom, {}), node.extra
+                )
                 row.update(gated=True, verdict=res.verdict.value, detail=res.summary)
                 verdicts.append(res.verdict)
             else:
