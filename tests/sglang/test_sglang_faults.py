@@ -270,7 +270,7 @@ def test_frozen_prefill_writes_late_into_parked_pages_only(two_prefill: Rig) -> 
     r = two_prefill
     frozen = freeze_mid_transfer(r)
     # Decode's 504 (pair deadline); the router re-labels a decode error 500, message kept.
-    assert frozen.victim.status >= 500 and "did not prefill room" in frozen.victim.body, frozen
+    assert frozen.victim.status >= 500 and "said nothing of it" in frozen.victim.body, frozen
     assert frozen.pending > 0  # A's pages parked until its late write is confirmed (I7)
     assert frozen.late_write == "ok"  # it landed before B read a token: the case is not vacuous
     assert frozen.other.full(r.tokenizer, frozen.other_own, HALF), frozen.other
@@ -316,7 +316,7 @@ def test_early_free_lets_the_late_mooncake_write_into_another_tenants_pages(
     pytest.importorskip("mooncake.engine")
     with rig(sgl_checkpoint, tmp_path, "mooncake", faults=FaultSet.of(Fault.EARLY_FREE)) as r:
         frozen = freeze_mid_transfer(r)
-    assert frozen.victim.status >= 500 and "did not prefill room" in frozen.victim.body, frozen
+    assert frozen.victim.status >= 500 and "said nothing of it" in frozen.victim.body, frozen
     assert frozen.pending == 0  # A's pages went straight back to the free list
     assert frozen.late_write == "ok", frozen.late_write
     # A 200 with B's token count, built from A's prompt: the incident's answer.

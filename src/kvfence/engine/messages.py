@@ -185,6 +185,19 @@ class Abort:
 
 
 @dataclass(frozen=True, slots=True)
+class Queued:
+    """Prefill holds this paired room (queued or in its engine) and will transfer or fail it.
+
+    Sent at pairing and then periodically while the room lives, so decode's wait follows
+    prefill: a room behind a long prefill queue keeps its place, and a prefill that stops
+    sending (it died, or lost the room) is given up one wait after its last word.
+    """
+
+    room: str
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True, slots=True)
 class TransferDone:
     """The transport's confirmation that nothing more will land in these pages (I7)."""
 
@@ -244,6 +257,7 @@ Message = (
     | TokenChunk
     | Failure
     | Abort
+    | Queued
     | TransferDone
     | WorkerStatus
     | RoomRegistration
@@ -258,6 +272,7 @@ MESSAGE_TYPES: dict[str, type] = {
         TokenChunk,
         Failure,
         Abort,
+        Queued,
         TransferDone,
         WorkerStatus,
         RoomRegistration,

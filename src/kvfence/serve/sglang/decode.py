@@ -26,6 +26,7 @@ from kvfence.engine.messages import (
     ErrorInfo,
     Failure,
     Message,
+    Queued,
     RoomRegistration,
     TokenChunk,
     TransferDone,
@@ -50,8 +51,10 @@ class DecodeSide(PairSide):
         reply_addr: str,
         faults: FaultSet,
         hold: LabHold | None = None,
+        pair_timeout_s: float = PAIR_TIMEOUT_S,
     ) -> None:
-        super().__init__(engine.pool, reply_addr, [Failure, Abort, TransferDone])
+        super().__init__(engine.pool, reply_addr, [Failure, Abort, Queued, TransferDone])
+        self.pair_timeout_s = pair_timeout_s
         self.engine = engine
         self.receiver = receiver
         receiver.notify(self.waker.set)  # a landed transfer is reconciled and decoded at once
@@ -117,14 +120,16 @@ class DecodeSide(PairSide):
             reply_addr=self.inbox.addr,
         )
         self.send(work.peer, reg)
-        room.deadline = time.monotonic() + PAIR_TIMEOUT_S
+        room.deadline = time.monotonic() + self.pair_timeout_s
 
     def _expire(self, now: float) -> None:
-        """A room whose prefill half never answered fails by its deadline (I6), pages parked (I7)."""
+        """A room whose prefill half never answered, or went silent, fails by its deadline
+        (I6), pages parked (I7). Prefill's `Queued` restarts the wait while it holds the room."""
         for name, room in list(self.rooms.open.items()):
             if room.stage is Stage.TRANSFER and now >= room.deadline:
                 why = (
-                    f"prefill at {room.work.peer} did not prefill room {name} in {PAIR_TIMEOUT_S} s"
+                    f"prefill at {room.work.peer} did not send room {name}'s KV and said "
+                    f"nothing of it for {self.pair_timeout_s:g} s (it stopped, or lost the room)"
                 )
                 self.engine.abort(name, why)
                 self._deliver(Failure(name, ErrorInfo(504, "timeout", why, code="pair_timeout")))
@@ -135,6 +140,10 @@ class DecodeSide(PairSide):
             self._deliver(msg)
         elif isinstance(msg, Abort):
             self.engine.abort(msg.room, msg.reason)
+        elif isinstance(msg, Queued):  # prefill holds the room: its wait starts again
+            room = self.rooms.open.get(msg.room)
+            if room is not None and room.stage is Stage.TRANSFER:
+                room.deadline = time.monotonic() + self.pair_timeout_s
         elif isinstance(msg, TransferDone) and not msg.ok:
             self.receiver.cancel(msg.room)  # prefill will never send: close the window (I7)
 

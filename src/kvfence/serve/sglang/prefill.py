@@ -29,6 +29,7 @@ from kvfence.engine.messages import (
     ErrorInfo,
     Failure,
     Message,
+    Queued,
     RoomRegistration,
     TokenChunk,
     TransferDone,
@@ -36,7 +37,14 @@ from kvfence.engine.messages import (
 from kvfence.engine.prefill import OutboundTransfer, PrefillEngine
 from kvfence.faults import Fault
 from kvfence.kv.pool import PageHandle
-from kvfence.serve.sglang.side import PAIR_TIMEOUT_S, Cancel, PairSide, Reject, Submit
+from kvfence.serve.sglang.side import (
+    KEEPALIVE_S,
+    PAIR_TIMEOUT_S,
+    Cancel,
+    PairSide,
+    Reject,
+    Submit,
+)
 from kvfence.serve.transfer.base import KVTransport
 from kvfence.serve.transfer.lab_holds import LabHold
 from kvfence.serve.transfer.senders import Senders
@@ -67,6 +75,7 @@ class PrefillSide(PairSide):
         self.transfer_failures = 0
         self.room_mismatches = 0
         self.pairs_by_room_alone = Fault.DECODE_TRUSTS_BOOTSTRAP in engine.faults  # lab only
+        self.next_keepalive = 0.0
 
     def iterate(self) -> None:
         """The data flow: decode's notes -> this edge's commands -> pair -> step -> notes, KV."""
@@ -75,7 +84,9 @@ class PrefillSide(PairSide):
             self._from_decode(msg)
         for cmd in self.commands():
             self._command(cmd)
-        self._expire(time.monotonic())
+        now = time.monotonic()
+        self._expire(now)
+        self._keepalive(now)
         if engine.has_work:
             engine.step()
         out = engine.drain()
@@ -162,6 +173,15 @@ class PrefillSide(PairSide):
             return
         self.live[room] = (pair.sink, reg)
         self.engine.submit(work.prefill_work(reg.pages, reg.kv_address))
+        self.send(reg.reply_addr, Queued(room))  # decode now waits on this side's word
+
+    def _keepalive(self, now: float) -> None:
+        """Every paired room still here is still held: decode's wait for it restarts."""
+        if now < self.next_keepalive:
+            return
+        self.next_keepalive = now + KEEPALIVE_S
+        for room, (_, reg) in self.live.items():
+            self.send(reg.reply_addr, Queued(room))
 
     def _expire(self, now: float) -> None:
         for room, pair in list(self.pairs.items()):

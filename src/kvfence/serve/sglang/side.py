@@ -26,7 +26,10 @@ from kvfence.serve.sglang.fields import RoomBinding
 
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 10
-PAIR_TIMEOUT_S = 30.0  # a room whose other half never shows up fails by then
+PAIR_TIMEOUT_S = 30.0  # a room whose other half never shows up, or goes silent, fails by then
+# How often prefill says it still holds a paired room (`Queued`): well inside PAIR_TIMEOUT_S,
+# so a late message or two never expires a room that is only waiting its turn.
+KEEPALIVE_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
