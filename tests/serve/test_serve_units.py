@@ -172,9 +172,9 @@ def test_the_step_budget_reaches_every_engine_a_serve_command_builds(
     from kvfence.model.tiny import make_tiny_checkpoint
     from kvfence.serve.build import PoolSizes, build_local
     from kvfence.serve.cli import serve
-    from kvfence.serve.pd.cli import worker_spec
     from kvfence.serve.pd.workers import engine_config
     from kvfence.serve.sglang.cli import worker_args
+    from kvfence.serve.worker_options import worker_spec
 
     ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("budget") / "t")
     params = serve.make_context("serve", ["--max-batch-tokens", "64"]).params
@@ -204,9 +204,9 @@ def test_the_prefill_order_reaches_every_engine_a_serve_command_builds(
     from kvfence.model.tiny import make_tiny_checkpoint
     from kvfence.serve.build import PoolSizes, build_local
     from kvfence.serve.cli import serve
-    from kvfence.serve.pd.cli import worker_spec
     from kvfence.serve.pd.workers import engine_config
     from kvfence.serve.sglang.cli import worker_args
+    from kvfence.serve.worker_options import worker_spec
 
     ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("order") / "t")
     default = serve.make_context("serve", []).params["prefill_order"]

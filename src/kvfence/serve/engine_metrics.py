@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Container, Iterable, Iterator, Sized
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -31,8 +31,19 @@ from prometheus_client.registry import Collector
 from kvfence.engine.backend import BackendStats, PoolInfo
 from kvfence.engine.messages import TokenChunk
 
-if TYPE_CHECKING:  # the router imports this module to time its requests
-    from kvfence.serve.router import Run
+
+class Run(Protocol):
+    """What the timings read and write of one of the router's requests (`router.Run`): a
+    protocol, so this module needs nothing from the router that imports it."""
+
+    room: str
+    submitted_s: float
+    ttft_s: float | None
+    last_token_s: float | None
+    prefill_s: float | None
+    cached_tokens: int
+    generated: int
+
 
 MODEL_LABEL = "model_name"
 

@@ -11,11 +11,11 @@ from typing import Any
 import click
 
 from kvfence.faults import FaultSet
-from kvfence.serve.pd.cli import worker_spec
 from kvfence.serve.pd.worker_entry import set_torch_threads
 from kvfence.serve.startup import collector_paused
 from kvfence.serve.supervisor import interrupts_unwind
 from kvfence.serve.tenants import TenantRegistry
+from kvfence.serve.worker_options import worker_spec
 
 
 def read_secret(path: Path | None) -> str:
