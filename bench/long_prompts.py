@@ -26,8 +26,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,17 +35,18 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.peers import PeerCache, free_port, launch_server, start_llamacpp, start_vllm  # noqa: E402
+from bench.peers import PeerCache, start_llamacpp, start_vllm  # noqa: E402
 from bench.serve_throughput import (  # noqa: E402
     FIRST_ID,
     KV_BYTES,
     Serving,
     installed,
+    pd_stack,
     run_level,
+    start_kvfence,
 )
 
 from kvfence.model.tiny import PRESETS, default_checkpoint_dir  # noqa: E402
-from kvfence.model.tokenizer import Tokenizer  # noqa: E402
 
 CONTEXT = 8192  # the smollm geometry's positions
 ENGINES = ("kvfence", "vllm", "llamacpp")
@@ -77,51 +76,15 @@ def prompt(length: int, repeat: int, seed: int, id_limit: int) -> list[int]:
 
 
 @contextmanager
-def kvfence_single(model_dir: Path, log_dir: Path) -> Iterator[Serving]:
-    port = free_port()
-    cmd = [str(Path(sys.executable).parent / "kvfence"), "serve", "--model", str(model_dir)]
-    cmd += ["--model-kind", "llama", "--no-auth", "--port", str(port)]
-    cmd += ["--kv-bytes", str(KV_BYTES), "--context-length", str(CONTEXT)]
-    server = launch_server(
-        "kvfence", cmd, dict(os.environ), port, model_dir.name, "/health", log_dir
-    )
-    with server:
-        yield Serving.of(server)
-
-
-@contextmanager
-def kvfence_pd(model_dir: Path, log_dir: Path) -> Iterator[Serving]:
-    from kvfence.serve.sglang.stack import Stack, StackSpec
-    from kvfence.serve.tenants import TenantRegistry
-
-    tenants = TenantRegistry.generate(("bench",)).without_default_limits()
-    workdir = Path(tempfile.mkdtemp(prefix="kvfence-pd-long-", dir=log_dir))
-    (workdir / "tenants.json").write_text(tenants.to_json())
-    args = ["--model", str(model_dir), "--model-kind", "llama", "--kv-bytes", str(KV_BYTES)]
-    args += ["--context-length", str(CONTEXT), "--torch-threads", "1", "--transport", "tcp"]
-    t0 = time.perf_counter()
-    spec = StackSpec(tuple(args), workdir / "tenants.json")
-    with Stack(spec, workdir=workdir) as stack:
-        key = {"Authorization": f"Bearer {tenants.tenants[0].keys[0]}"}
-        pid = stack.supervisor.procs["sglang-router"].pid
-        argv = [f"sglang-router PD + kvfence workers (tcp), logs {workdir}"]
-        tok = Tokenizer.from_dir(model_dir)
-        ready = time.perf_counter() - t0
-        yield Serving(stack.url, pid, model_dir.name, ready, argv, key, tok)
-
-
-@contextmanager
 def engine(name: str, model_dir: Path, log_dir: Path) -> Iterator[Serving]:
     log_dir.mkdir(parents=True, exist_ok=True)
-    if name == "kvfence":
-        with kvfence_single(model_dir, log_dir) as serving:
-            yield serving
-        return
     if name == "kvfence-pd":
-        with kvfence_pd(model_dir, log_dir) as serving:
+        with pd_stack("tcp", model_dir, log_dir, context=CONTEXT) as serving:
             yield serving
         return
-    if name == "vllm":
+    if name == "kvfence":
+        server = start_kvfence(model_dir, log_dir, context=CONTEXT)
+    elif name == "vllm":
         server = start_vllm(
             model_dir,
             dtype="float32",

@@ -374,7 +374,9 @@ def served_model(url: str) -> str:
     return str(resp.json()["data"][0]["id"])
 
 
-def start_kvfence(model_dir: Path, log_dir: Path, *extra: str) -> PeerServer:
+def start_kvfence(
+    model_dir: Path, log_dir: Path, *extra: str, context: int = CONTEXT
+) -> PeerServer:
     """`kvfence serve` as a subprocess in its own session, like the peers."""
     port = free_port()
     kvfence_bin = Path(sys.executable).parent / "kvfence"
@@ -391,7 +393,7 @@ def start_kvfence(model_dir: Path, log_dir: Path, *extra: str) -> PeerServer:
         "--kv-bytes",
         str(KV_BYTES),
         "--context-length",
-        str(CONTEXT),
+        str(context),
         *extra,
     ]
     return launch_server("kvfence", cmd, dict(os.environ), port, model_dir.name, "/health", log_dir)
@@ -399,7 +401,7 @@ def start_kvfence(model_dir: Path, log_dir: Path, *extra: str) -> PeerServer:
 
 @contextmanager
 def pd_stack(
-    transport: str, model_dir: Path, log_dir: Path, edge: bool = True
+    transport: str, model_dir: Path, log_dir: Path, edge: bool = True, context: int = CONTEXT
 ) -> Iterator[Serving]:
     """sglang-router + one prefill + one decode kvfence worker (serve/sglang/stack.py)."""
     from kvfence.serve.sglang.stack import Stack, StackSpec
@@ -412,7 +414,7 @@ def pd_stack(
     tenants_file = workdir / "tenants.json"
     tenants_file.write_text(tenants.to_json())
     args = ["--model", str(model_dir), "--model-kind", "llama", "--kv-bytes", str(KV_BYTES)]
-    args += ["--context-length", str(CONTEXT), "--torch-threads", "1", "--transport", transport]
+    args += ["--context-length", str(context), "--torch-threads", "1", "--transport", transport]
     t0 = time.perf_counter()
     with Stack(StackSpec(tuple(args), tenants_file, edge=edge), workdir=workdir) as stack:
         ready = time.perf_counter() - t0

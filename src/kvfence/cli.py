@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from kvfence import __version__
+from kvfence.audit.key_options import operator_key_option
 from kvfence.engine.sizing import (
     DEFAULT_HEADROOM,
     CapacityGateError,
@@ -222,13 +223,7 @@ def demo_outcome(report: dict[str, Any]) -> tuple[list[str], bool]:
     "audit's capacity check; --context overrides the engine's own); exit 2 when it cannot "
     "read them",
 )
-@click.option(
-    "--operator-key",
-    envvar="KVFENCE_AUDIT_OPERATOR_KEY",
-    show_envvar=True,
-    default=None,
-    help="with --target: the key that reads the engine's pool (/metrics, /server_info)",
-)
+@operator_key_option
 @click.option(
     "--max-seconds",
     type=float,

@@ -29,6 +29,7 @@ from kvfence.audit import report
 from kvfence.audit.base import DEFAULT_ALPHA, DEFAULT_HEADROOM, Budget, CheckResult
 from kvfence.audit.check_table import ALL_CHECKS, EMBEDDED_CHECKS
 from kvfence.audit.contract import AuditContext
+from kvfence.audit.key_options import key_a_option, key_b_option, operator_key_option
 from kvfence.audit.runbook import AuditRun, run_audit
 from kvfence.audit.target_names import TargetSpec, TargetSpecError, named_targets
 from kvfence.audit.targets.registry import ENGINE_CHOICES
@@ -88,27 +89,9 @@ class _AuditGroup(click.Group):
     help="engine base URL, optionally named for the reports (repeat for several engines)",
 )
 @click.option("--engine", type=click.Choice(ENGINE_CHOICES), default="auto", show_default=True)
-@click.option(
-    "--key-a",
-    envvar="KVFENCE_AUDIT_KEY_A",
-    show_envvar=True,
-    default=None,
-    help="tenant A's API key",
-)
-@click.option(
-    "--key-b",
-    envvar="KVFENCE_AUDIT_KEY_B",
-    show_envvar=True,
-    default=None,
-    help="tenant B's API key",
-)
-@click.option(
-    "--operator-key",
-    envvar="KVFENCE_AUDIT_OPERATOR_KEY",
-    show_envvar=True,
-    default=None,
-    help="reads /metrics and /server_info (operator data on kvfence)",
-)
+@key_a_option
+@key_b_option
+@operator_key_option
 @click.option("--checks", default=None, help=f"comma-separated subset of: {', '.join(ALL_CHECKS)}")
 @click.option(
     "--worker",

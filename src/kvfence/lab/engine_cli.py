@@ -131,8 +131,7 @@ def matrix(
     if topology != "single":
         from kvfence.serve.transfer.native import missing_native
 
-        missing = missing_native(transport)
-        if missing is not None:
+        if (missing := missing_native(transport)) is not None:
             raise click.UsageError(missing)
 
     def progress(i: int, n: int, row: MatrixRow) -> None:

@@ -113,12 +113,3 @@ def _compile(cxx: str, out: Path) -> None:
         first_error = next((ln for ln in lines if "error" in ln), lines[-1])
         raise KernelBuildError(f"{cxx} failed (exit {done.returncode}): {first_error}")
     tmp.replace(out)  # atomic: a loader without the lock sees no library or the whole one
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] != ["build"]:
-        sys.exit("usage: python -m kvfence.model.kernel_build build")
-    try:
-        print(f"kvfence C++ kernels: {build()}")
-    except KernelBuildError as e:
-        sys.exit(f"kvfence C++ kernels not built: {e}")

@@ -100,20 +100,21 @@ class LoadCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         load = self.load()
         model = [self.model_name]
-        running = GaugeMetricFamily(
-            "kvfence_num_requests_running",
-            "Requests that have had their first token and have not ended",
-            labels=[MODEL_LABEL],
-        )
-        running.add_metric(model, load.running)
-        yield running
-        waiting = GaugeMetricFamily(
-            "kvfence_num_requests_waiting",
-            "Requests submitted that have no token yet (queued for pages or prefill, or in it)",
-            labels=[MODEL_LABEL],
-        )
-        waiting.add_metric(model, load.waiting)
-        yield waiting
+        for name, doc, value in (
+            (
+                "kvfence_num_requests_running",
+                "Requests that have had their first token and have not ended",
+                load.running,
+            ),
+            (
+                "kvfence_num_requests_waiting",
+                "Requests submitted that have no token yet (queued for pages or prefill, or in it)",
+                load.waiting,
+            ),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=[MODEL_LABEL])
+            gauge.add_metric(model, value)
+            yield gauge
         usage = GaugeMetricFamily(
             "kvfence_kv_cache_usage_perc",
             "KV pool in use by role, 0..1 (evictable prefix-cache pages count as free)",

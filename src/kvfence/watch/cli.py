@@ -9,6 +9,7 @@ import click
 from prometheus_client import start_http_server
 
 from kvfence.audit.base import Verdict, worst
+from kvfence.audit.key_options import key_a_option, key_b_option, operator_key_option
 from kvfence.audit.targets.registry import ENGINE_CHOICES
 from kvfence.audit.tenant_keys import second_key_missing
 from kvfence.watch.guard import GuardConfig, Interval, Keys, TargetGuard
@@ -57,27 +58,9 @@ def parse_listen(addr: str) -> tuple[str, int]:
 @click.command("watch")
 @click.option("--target", "targets", multiple=True, required=True, help="engine base URL (repeat)")
 @click.option("--engine", type=click.Choice(ENGINE_CHOICES), default="auto", show_default=True)
-@click.option(
-    "--key-a",
-    envvar="KVFENCE_AUDIT_KEY_A",
-    show_envvar=True,
-    default=None,
-    help="tenant A's API key",
-)
-@click.option(
-    "--key-b",
-    envvar="KVFENCE_AUDIT_KEY_B",
-    show_envvar=True,
-    default=None,
-    help="tenant B's API key",
-)
-@click.option(
-    "--operator-key",
-    envvar="KVFENCE_AUDIT_OPERATOR_KEY",
-    show_envvar=True,
-    default=None,
-    help="reads /metrics and /server_info (operator data on kvfence)",
-)
+@key_a_option
+@key_b_option
+@operator_key_option
 @click.option(
     "--interval", type=click.FloatRange(0.1), default=_DEFAULTS.interval_s, show_default=True
 )
