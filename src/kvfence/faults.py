@@ -8,6 +8,10 @@ or missing on a live server. All are off by default. The engine only ever *reads
 switches are set solely through explicit lab configuration (``kvfence lab`` or
 ``kvfence serve --lab-fault``) and every active switch is listed in
 ``/server_info`` so an audit can never mistake a lab server for production.
+
+The lab's holds travel the same way: ``hold=FOLDER`` turns no defence off, it
+lets a test park a granted KV transfer and decode's step at an exact point
+(serve/transfer/lab_holds.py), so no lab hook is switched any other way.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 
 class Fault(enum.Enum):
@@ -35,7 +40,7 @@ class Fault(enum.Enum):
         try:
             return cls(name)
         except ValueError:
-            known = ", ".join(f.value for f in cls)
+            known = ", ".join([*(f.value for f in cls), f"{HOLD}=FOLDER"])
             raise ValueError(f"unknown fault switch {name!r}; known switches: {known}") from None
 
 
@@ -106,11 +111,21 @@ FAULT_INFO: dict[Fault, FaultInfo] = {
 }
 
 
+# `hold=FOLDER`: the lab's holds, parameterised by the folder the test and workers share.
+HOLD = "hold"
+HOLD_INFO = FaultInfo(
+    "none: parks a granted KV transfer before its first byte, and decode's step, while the "
+    "test's flag files exist in FOLDER, so a test kills or freezes a worker at an exact point",
+    "none: it only delays, every fence stays where it is",
+)
+
+
 @dataclass(frozen=True, slots=True)
 class FaultSet:
     """An immutable set of active fault switches (empty = production)."""
 
     active: frozenset[Fault] = frozenset()
+    hold: Path | None = None  # the lab's hold folder (`hold=FOLDER`); None: nothing is held
 
     @classmethod
     def of(cls, *faults: Fault | str) -> FaultSet:
@@ -118,13 +133,37 @@ class FaultSet:
 
     @classmethod
     def parse(cls, names: Iterable[str]) -> FaultSet:
-        return cls.of(*names)
+        switches: list[str] = []
+        hold: Path | None = None
+        for name in names:
+            key, eq, folder = name.partition("=")
+            if key != HOLD:
+                switches.append(name)
+            elif hold is not None:
+                raise ValueError(
+                    f"{HOLD}=FOLDER is given twice ({hold} and {folder!r}); one folder"
+                )
+            else:
+                hold = _hold_folder(folder if eq else "")
+        return cls(cls.of(*switches).active, hold)
 
     def __contains__(self, fault: object) -> bool:
         return fault in self.active
 
     def __bool__(self) -> bool:
-        return bool(self.active)
+        return bool(self.active) or self.hold is not None
 
     def names(self) -> list[str]:
-        return sorted(f.value for f in self.active)
+        """Every switch as `--lab-fault` takes it: `FaultSet.parse(s.names()) == s`."""
+        held = [f"{HOLD}={self.hold}"] if self.hold is not None else []
+        return sorted(f.value for f in self.active) + held
+
+
+def _hold_folder(folder: str) -> Path:
+    """An existing directory, absolute: every worker resolves it the same way, wherever it runs."""
+    if not folder:
+        raise ValueError(f"the lab's hold needs its folder: {HOLD}=FOLDER (an existing directory)")
+    path = Path(folder).absolute()
+    if not path.is_dir():
+        raise ValueError(f"{HOLD}={folder}: no such directory (the test creates it first)")
+    return path

@@ -1,7 +1,7 @@
 """Faults on the real PD stack: sglang-router in front, Mooncake / NIXL moving the KV.
 
 A transfer is caught "mid-transfer" with the lab's grant hold
-(`serve/transfer/lab_holds.py`, `KVFENCE_LAB_HOLD_GRANTED`): the prefill worker
+(`serve/transfer/lab_holds.py`, switched by `--lab-fault hold=FOLDER`): the prefill worker
 that has just been granted decode's pages (I7: they are inbound) parks before
 its engine writes a byte and says so with a file naming its pid; the test
 then kills or freezes exactly that process. The freeze case also holds
@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,6 @@ from kvfence.faults import Fault, FaultSet
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve.sglang.stack import Stack, StackSpec, Worker
 from kvfence.serve.tenants import TenantRegistry
-from kvfence.serve.transfer.lab_holds import HOLD_ENV
 
 pytestmark = pytest.mark.slow
 SENTINEL = "ZQXTBNVLQJ"
@@ -93,7 +92,7 @@ def rig(
         "--torch-threads", "1", "--transport", transport, "--no-prefix-cache",
         "--allow-undersized-pool",
     ]  # fmt: skip
-    for f in (faults or FaultSet()).names():
+    for f in replace(faults or FaultSet(), hold=hold).names():  # the hold: the lab switch
         args += ["--lab-fault", f]
     spec = StackSpec(
         tuple(args),
@@ -101,7 +100,6 @@ def rig(
         n_prefill=n_prefill,
         n_decode=n_decode,
         router_args=("--disable-retries",),
-        worker_env=((HOLD_ENV, str(hold)),),
     )
     with Stack(spec, workdir=tmp) as stack:
         keys = {t.name: t.keys[0] for t in tenants.tenants}

@@ -60,7 +60,7 @@ class DecodeSide(PairSide):
         receiver.notify(self.waker.set)  # a landed transfer is reconciled and decoded at once
         self.rooms = Rooms(faults)  # one end per request (I6), shared with the other backends
         self.transfer_failures = 0
-        self.hold = hold  # lab only (faults tests): no step while the test holds decode
+        self.hold = hold  # the lab's `hold=FOLDER` switch: no step while the test holds decode
 
     def iterate(self) -> None:
         """The data flow: prefill's notes -> commands -> what landed (I3) -> step -> tokens."""

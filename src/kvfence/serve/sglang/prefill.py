@@ -18,7 +18,6 @@ decode's refusal arrives here as a `Failure` and ends this side's request.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from dataclasses import dataclass
 
@@ -64,14 +63,20 @@ class PrefillSide(PairSide):
 
     role = "prefill"
 
-    def __init__(self, engine: PrefillEngine, transport: KVTransport, bootstrap_addr: str) -> None:
+    def __init__(
+        self,
+        engine: PrefillEngine,
+        transport: KVTransport,
+        bootstrap_addr: str,
+        hold: LabHold | None = None,  # the lab's `hold=FOLDER` switch (lab_holds.py)
+    ) -> None:
         super().__init__(engine.pool, bootstrap_addr, [RoomRegistration, Failure])
         self.engine = engine
         self.transport = transport
         self.pairs: dict[str, _Pair] = {}  # rooms waiting for their other half
         self.live: dict[str, tuple[Sink, RoomRegistration]] = {}  # paired rooms in the engine
         self.answered: set[str] = set()  # live rooms whose HTTP side has had its one end (I6)
-        self.senders = Senders(transport, LabHold.from_env(os.environ))
+        self.senders = Senders(transport, hold)
         self.transfer_failures = 0
         self.room_mismatches = 0
         self.pairs_by_room_alone = Fault.DECODE_TRUSTS_BOOTSTRAP in engine.faults  # lab only

@@ -10,7 +10,6 @@ URL, bootstrap port) so a launcher can hand the router the ports it bound.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,13 +64,12 @@ def build_side(spec: SglangWorkerSpec, loaded: LoadedModel) -> PairSide:
         pool = KVPool(geometry, config.prefill_pages, scrub=config.scrub, faults=faults)
         engine = PrefillEngine(loaded.model, pool, config, faults)
         addr = f"tcp://{spec.host}:{spec.bootstrap_port}"
-        return PrefillSide(engine, get_transport(w.transport), addr)
+        return PrefillSide(engine, get_transport(w.transport), addr, LabHold.of(faults))
     transport = get_transport(w.transport, host=w.kv_host)
     pool = transport.create_pool(geometry, config.decode_pages, scrub=config.scrub, faults=faults)
     receiver = transport.receiver(pool)
     decode = DecodeEngine(loaded.model, pool, config, faults, inbound=receiver)
-    hold = LabHold.from_env(os.environ)
-    return DecodeSide(decode, receiver, f"tcp://{w.kv_host}:0", faults, hold)
+    return DecodeSide(decode, receiver, f"tcp://{w.kv_host}:0", faults, LabHold.of(faults))
 
 
 def serve_config(spec: SglangWorkerSpec, loaded: LoadedModel) -> ServeConfig:

@@ -3,8 +3,9 @@
 The faults tests (tests/sglang/test_sglang_faults.py) need a late write to land
 at a known moment: after decode has given the room up, and before another
 request decodes over the pages. Timing alone cannot promise that (a tiny
-model decodes 150 tokens in 0.2 s), so both workers read one folder, named
-by `KVFENCE_LAB_HOLD_GRANTED`, and talk to the test through files in it:
+model decodes 150 tokens in 0.2 s), so both workers share one folder, named
+by the lab's switch `--lab-fault hold=FOLDER` (the fault registry, listed in
+/server_info like every switch), and talk to the test through files in it:
 
 - prefill: while `hold` exists, a sender that has its grant (I7: decode's
   pages are inbound) writes `granted-<pid>-<room>` and waits before the
@@ -14,31 +15,32 @@ by `KVFENCE_LAB_HOLD_GRANTED`, and talk to the test through files in it:
   to decode and writes `decoding-<pid>` once: what landed is reconciled, and
   nothing has read it yet.
 
-They only delay: every fence stays where it is. Unset outside those tests.
+They only delay: every fence stays where it is. Without the switch no hold
+exists and the senders and decode's loop pay one `is None` test.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-HOLD_ENV = "KVFENCE_LAB_HOLD_GRANTED"  # a folder; unset outside the faults tests
+from kvfence.faults import FaultSet
+
 POLL_S = 0.01
 
 
 @dataclass(frozen=True, slots=True)
 class LabHold:
-    """Both workers' holds, in the one folder `KVFENCE_LAB_HOLD_GRANTED` names."""
+    """Both workers' holds, in the one folder the lab's `hold=FOLDER` switch names."""
 
     folder: Path
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> LabHold | None:
-        folder = env.get(HOLD_ENV, "")
-        return cls(Path(folder)) if folder else None
+    def of(cls, faults: FaultSet) -> LabHold | None:
+        """The hold the lab switched on; None (production) unless `faults` names a folder."""
+        return cls(faults.hold) if faults.hold is not None else None
 
     # ---- prefill: park a granted in-place transfer before its first byte ---------------------
 
