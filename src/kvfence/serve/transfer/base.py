@@ -1,59 +1,31 @@
 """The KV transport contract: how prefill's KV reaches decode's reserved pages (I3, I7).
 
-Two halves, one per role, made by a `KVTransport` (one per backend, see
-`registry.py`):
+A `KVTransport` (one per backend) makes decode's pool where the backend needs
+it, and the two halves:
 
 * `KVSender` (prefill): `send(transfer, src_pool)` moves the first
-  `transfer.num_tokens` positions of `transfer.src_pages` into the
-  destination pages decode granted (`transfer.dest_pages`), and returns the
-  `TransferManifest` it sent. The manifest's checksum is over what was sent
-  (`engine.reconcile.payload_checksum` of the source pages).
-* `KVReceiver` (decode), polled from decode's step loop, never blocking:
-  `expect(reservation)` when the pages are handed out (from then on a
-  transfer may land: the pool marks them inbound, I7); `poll()` returns
-  `Landed` (the payload is in the pages, with the checksum of what landed)
-  and `TransferDone` (nothing more will land for that room: finished,
-  cancelled, refused, or the sender died); decode reconciles each `Landed`
-  against its reservation (I3, `DecodeEngine.on_transfer`); `cancel(room)`
-  gives up on a transfer. Pages are released by decode whenever it likes; the pool
-  holds released-but-inbound pages in PENDING_RELEASE until `poll()` sees the
-  room's `TransferDone` and ends the inbound window (I7).
+  `transfer.num_tokens` positions of `transfer.src_pages` into the pages decode
+  granted (`transfer.dest_pages`) and returns the `TransferManifest` it sent,
+  its checksum over what was sent.
+* `KVReceiver` (decode), polled from decode's loop, never blocking:
+  `expect(reservation)` when the pages are handed out (from then on a transfer
+  may land: they are inbound, I7); `poll()` returns `Landed` (the payload is in
+  the pages, with the checksum of what is there, which decode reconciles
+  against its reservation, I3) and `TransferDone` (nothing more will land for
+  the room); `cancel(room)` gives up. Released pages still inbound stay
+  PENDING_RELEASE until `poll()` has seen the room's `TransferDone` (I7).
 
-Write permission: a sender writes into decode's pages only after the
-receiver grants the room (the room is expected, not cancelled, and the
-manifest's destination handles are exactly the reserved ones). A cancel
-before the grant is confirmed at once; after the grant it is confirmed only
-when the sender finishes or is known dead (its connection closed).
+A sender writes decode's pages only after the receiver grants the room: the
+room is expected, not cancelled, and the manifest's destination handles are
+exactly the reserved ones. A cancel after the grant is confirmed only once the
+sender finishes or is known dead (its connection closed).
 
-Where the pieces live: this module is the contract; `layout.py` lays a
-transfer out in bytes and copies runs; `rooms.py` is the receiver's room book
-(grants and the event queue); `link.py` runs a transport's two halves inside
-one process for the engine's `LocalPipeline`.
-
-Backends here: in-process (pool to pool copy, the embedded default of
-`kvfence serve`), TCP (the payload streamed
-straight into the reserved pages' memory; the receiver decides where bytes
-go) and shared memory (decode's pool lives in /dev/shm; prefill writes the
-pages itself, as RDMA does, after a grant over a control socket).
-
-Plugging in GPU RDMA (NIXL, Mooncake transfer engine): such a backend is a
-`KVTransport` whose `create_pool` registers decode's K/V tensors with the
-engine (NIXL `register_memory`, Mooncake `register_memory`) and whose hello
-carries the remote memory descriptors instead of a /dev/shm path.
-`Outgoing.copy_runs()` already yields (kind, src offset, dst offset, length)
-runs, merged where contiguous on both sides: they map one to one onto a
-NIXL transfer descriptor list or Mooncake `batch_transfer_sync_write`
-requests. The grant / progress / end handshake stays on the control socket
-(`granted.py`: `B`/`G`, a `P` per chunk written, `E` carrying the checksum
-the sender computed while posting the writes), and the receiver checksums its
-own pages as each `P` and the `E` say they are written; a device-side checksum
-kernel would do that read on GPU pools. Nothing above the transport changes.
-
-Cost of the independent check: where the sender writes in place, decode must
-read every landed byte once to checksum it (about one memcpy-read of the
-payload), done chunk by chunk while the next chunk is written; over TCP the
-receiver checksums each MiB as it lands. Either way reconciliation itself is
-only the manifest comparison (bench/transfer.py).
+The backends (`registry.py` names them): in-process (pool to pool copy, for
+single-process serving), TCP (the receiver streams the payload into the
+reserved pages) and three that write decode's memory themselves after a grant
+on a control socket (`granted.py`): shared memory, Mooncake's transfer engine
+and NIXL. `layout.py` lays a transfer out as copy runs, which each backend
+moves its own way; `rooms.py` is the receiver's room book.
 """
 
 from __future__ import annotations
