@@ -80,12 +80,17 @@ def _start_role(
     max_model_len: int,
     log_dir: Path,
     cache: PeerCache,
+    kv_lease_s: int | None,
 ) -> PeerServer:
-    transfer = {
+    transfer: dict[str, object] = {
         "kv_connector": "NixlConnector",
         "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
         "kv_buffer_device": "cpu",
     }
+    if kv_lease_s is not None:
+        # Both sides read it: prefill holds a request's blocks this long after its prefill,
+        # and decode's heartbeats (every lease // 6 s) extend that hold by lease * 2 // 3.
+        transfer["kv_connector_extra_config"] = {"kv_lease_duration": kv_lease_s}
     return start_vllm(
         model_dir,
         served_model_name=served,
@@ -119,8 +124,14 @@ def start_vllm_pd(
     startup: StartupBounds | None = None,
     log_dir: Path | None = None,
     cache: PeerCache | None = None,
+    kv_lease_s: int | None = None,
 ) -> VllmPdFleet:
     """Start prefill and decode together (each waits on its own /v1/models), then vllm-router.
+
+    `kv_lease_s` sets NixlConnector's `kv_lease_duration` on both servers (vLLM's default
+    is 30 s): how long prefill keeps a request's blocks for decode to read. At 1 s the
+    heartbeats extend nothing (1 * 2 // 3 = 0), so a decode that reads later reads blocks
+    prefill has already freed.
 
     Each wait follows its server (`startup` bounds how long it may go without progress, and
     in all); a server that exits, stalls or outlasts the cap raises PeerStartError with its
@@ -138,7 +149,9 @@ def start_vllm_pd(
     cpus = {"prefill": "0", "decode": str(min(1, (os.cpu_count() or 1) - 1))}
     # Both start now and load side by side; each is then awaited on its own readiness.
     started = {
-        role: _start_role(role, model_path, served, cpus[role], blocks, max_model_len, logs, cache)
+        role: _start_role(
+            role, model_path, served, cpus[role], blocks, max_model_len, logs, cache, kv_lease_s
+        )
         for role in ("prefill", "decode")
     }
     try:

@@ -65,11 +65,27 @@ VERSION_PATH = "/version"
 CACHE_INFO = "vllm:cache_config_info"
 SRC = f"GET /metrics {CACHE_INFO}"
 KV_FETCH = "vllm:num_requests_kv_fetch_by_stage"
-NIXL_COUNTERS = (
-    "vllm:nixl_num_failed_transfers",
-    "vllm:nixl_num_kv_expired_reqs",
-    "vllm:nixl_num_notifications_after_expiry",
-)
+# What each NIXL failure counter means in vLLM 0.32-0.33 (`nixl/base_worker.py`,
+# `nixl/pull_worker.py`, `nixl/stats.py`); the counters check says it beside a move.
+NIXL_MEANINGS = {
+    "vllm:nixl_num_failed_transfers": (
+        "a NIXL handshake, KV read or notification failed: decode did not get that "
+        "request's KV and fails the request (kv_load_failure_policy 'fail', the default) "
+        "or recomputes it ('recompute')"
+    ),
+    "vllm:nixl_num_kv_expired_reqs": (
+        "prefill (this node counts it) freed a request's blocks because decode had not "
+        "read them within the lease (kv_connector_extra_config kv_lease_duration, 30 s by "
+        "default, extended by decode's heartbeats): the blocks are free for other "
+        "requests while decode may still read them"
+    ),
+    "vllm:nixl_num_notifications_after_expiry": (
+        "decode finished reading blocks whose lease had already run out (one per decode "
+        "rank); if prefill gave them to another request meanwhile, decode answered from "
+        "that request's KV, and neither side checks"
+    ),
+}
+NIXL_COUNTERS = tuple(NIXL_MEANINGS)
 
 
 def _label_int(labels: dict[str, str], key: str) -> int | None:
@@ -132,7 +148,9 @@ def nixl_counters(samples: list[Sample] | None) -> dict[str, Fact]:
     for base in NIXL_COUNTERS:
         found = samples_named(samples or [], f"{base}_total") or samples_named(samples or [], base)
         out[base] = (
-            Fact(int(sum(s.value for s in found)), f"GET /metrics {base}_total")
+            Fact(
+                int(sum(s.value for s in found)), f"GET /metrics {base}_total", NIXL_MEANINGS[base]
+            )
             if found
             else Fact.unknown(f"GET /metrics {base}_total", "absent on a NIXL node")
         )

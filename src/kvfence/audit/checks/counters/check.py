@@ -125,5 +125,7 @@ def compare(
         if b is None or a is None or not b.known or not a.known:
             unreadable.append(name)
         elif a.value != b.value:
-            moved.append(f"{name} {b.value} → {a.value}")
+            # The engine's meaning of the counter, where its adapter knows it.
+            meaning = f" ({a.note})" if a.note else ""
+            moved.append(f"{name} {b.value} → {a.value}{meaning}")
     return rows, moved, unreadable
