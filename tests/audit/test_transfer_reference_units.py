@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from kvfence.audit.checks.transfer_reference.bootstrap import SGLANG_BOOTSTRAP_PORT, attacks_for
-from kvfence.audit.checks.transfer_reference.probe import Route
+from kvfence.audit.checks.transfer_reference.probe import Route, classify
+from kvfence.audit.probe_response import ProbeResponse
 
 SECRET = "/r/0123456789abcdef0123456789abcdef"
 PUBLIC = Route("http://10.0.0.1:8000", "public")
@@ -35,3 +36,28 @@ def test_without_a_listed_bootstrap_only_the_public_url_is_attacked() -> None:
     assert public.fields(1)["bootstrap_host"] == "10.0.0.1"
     (_, only) = attacks_for([PUBLIC, PREFILL, plain])
     assert only.shown == "decode http://10.0.0.3:30001"  # listed URL is its origin: one attack
+
+
+def _answer(text: str) -> ProbeResponse:
+    return ProbeResponse("POST", "/v1/completions", status=200, texts=[text])
+
+
+WHOSE = {"A": "acla apost sea", "B": "odel tsav you"}
+
+
+def test_an_answer_that_follows_a_s_continuation_then_drifts_is_still_a_s_kv() -> None:
+    """Decode over transferred pages can break a greedy near-tie unlike prefill did: the answer
+    follows A's continuation past where B's differs, then drifts. That is A's KV, named so."""
+    drifted = classify("decode x", "live", _answer("acla apXst"), WHOSE)
+    assert drifted.verdict == "leak", drifted
+    assert "A's continuation for its first 7 characters (B's own shares 0)" in drifted.detail
+    exact = classify("decode x", "live", _answer(WHOSE["A"]), WHOSE)
+    assert (exact.verdict, exact.detail) == ("leak", "answered with A's continuation")
+
+
+def test_text_that_is_no_one_s_continuation_stays_foreign_and_b_s_own_stays_own() -> None:
+    assert classify("d", "live", _answer("zzzz zzzz"), WHOSE).verdict == "foreign"
+    assert classify("d", "live", _answer("acl"), WHOSE).verdict == "foreign"  # too short to say
+    assert classify("d", "live", _answer("odel tsav you"), WHOSE).verdict == "own"
+    # Closer to B's own than to A's but not B's: KV that is not B's, not attributed to A.
+    assert classify("d", "live", _answer("odel tsXXXX"), WHOSE).verdict == "foreign"

@@ -63,17 +63,36 @@ def _outcomes(res: CheckResult, case: str) -> dict[str, dict[str, Any]]:
     return {row["route"].split()[0]: row for row in rows if row["case"] == case}
 
 
+def _explain(res: CheckResult, fleet: VllmPdFleet) -> str:
+    """Every outcome on one line, and which of the fleet's processes still run (with the end of
+    the log of any that stopped): what a failure on a machine nobody can log into must say."""
+    rows = res.evidence["outcomes"]
+    assert isinstance(rows, list)
+    lines = [f"{res.verdict.value}: {res.summary}"]
+    lines += [
+        f"  {r['route']} {r['case']}: {r['status']} {r['verdict']} ({r['detail']})" for r in rows
+    ]
+    for server in fleet.servers:
+        lines.append(f"  {server.name}: {'running' if server.alive() else 'EXITED'}")
+        if not server.alive():
+            lines.append(server.log_tail(30))
+    return "\n".join(lines)
+
+
 def test_decode_serves_b_from_a_reference_and_the_router_holds(vllm_pd: VllmPdFleet) -> None:
     res = _run(vllm_pd.url)
-    assert res.verdict is Verdict.FAIL, res.summary
+    why = _explain(res, vllm_pd)
+    assert res.verdict is Verdict.FAIL, why
     live = _outcomes(res, "live")
-    # The decode server the router lists: B's prompt answered with A's own continuation.
+    # The decode server the router lists: B's prompt answered from A's KV (A's continuation,
+    # or A's past the point where B's differs before a greedy near-tie broke another way).
     decode = live["decode"]
-    assert decode["status"] == 200 and decode["verdict"] == "leak", decode
-    assert decode["answer"] == decode["own_continuations"]["A"] != decode["own_continuations"]["B"]
+    assert decode["status"] == 200 and decode["verdict"] == "leak", why
+    assert decode["answer"] != decode["own_continuations"]["B"]
+    assert decode["answer"][:4] == decode["own_continuations"]["A"][:4], why
     assert vllm_pd.decode.url.split("//")[1] in res.summary  # the leaking route is named
     # Through vllm-router the client's reference is overwritten: B gets its own answer.
-    assert live["public"]["verdict"] == "own", live["public"]
+    assert live["public"]["verdict"] == "own", why
     assert "off the tenants' network" in str(res.evidence["advice"])
 
 
@@ -81,10 +100,11 @@ def test_a_poisoned_prefix_reaches_honest_requests_through_the_router(
     vllm_pd: VllmPdFleet,
 ) -> None:
     res = _run(vllm_pd.url, seed=7)
+    why = _explain(res, vllm_pd)
     poisoned = _outcomes(res, "poisoned")
-    assert poisoned, res.evidence
+    assert poisoned, why
     # No reference in these requests: the foreign KV came out of decode's prefix cache.
-    assert poisoned["public"]["verdict"] == "leak", poisoned["public"]
+    assert poisoned["public"]["verdict"] == "leak", why
 
 
 def test_a_single_vllm_hands_out_no_reference(vllm_peer: PeerServer) -> None:

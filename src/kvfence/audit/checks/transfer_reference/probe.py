@@ -20,6 +20,7 @@ from kvfence.audit.prompts import random_words
 from kvfence.audit.targets.base import Target
 
 MAX_TOKENS = 8  # the greedy continuation that tells whose KV was read
+MIN_AGREED = 4  # leading characters an answer must share with another prompt's continuation
 TOKEN_RANGE = (10, 250)  # byte-level ids every byte-level BPE vocabulary holds
 
 Prompt = str | list[int]  # token ids, or their text where a route takes text only
@@ -134,6 +135,13 @@ def classify(route: str, case: str, r: ProbeResponse, whose: dict[str, str]) -> 
     return out
 
 
+def _shared(a: str, b: str) -> int:
+    """How many leading characters `a` and `b` share."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
 def _message(r: ProbeResponse) -> str:
     """The refusal's own words (OpenAI's error envelope, else the body's start)."""
     err = r.json.get("error") if isinstance(r.json, dict) else None
@@ -148,6 +156,24 @@ def _classify_text(route: str, case: str, text: str, whose: dict[str, str]) -> O
             if label == "B":
                 return Outcome(route, case, 200, "own", "answered from B's own KV", text)
             return Outcome(route, case, 200, "leak", f"answered with {label}'s continuation", text)
+    # Greedy decoding over the same KV through another kernel path (decode attending over
+    # transferred pages, prefill over its own) can break a near-tie the other way and then
+    # drift. An answer that follows another prompt's continuation past the point where that
+    # continuation and B's part was steered by that prompt's KV: the same finding, named.
+    theirs = {label: _shared(text, own) for label, own in whose.items() if label != "B"}
+    mine = _shared(text, whose.get("B", ""))
+    if theirs:
+        label, agreed = max(theirs.items(), key=lambda kv: kv[1])
+        if agreed > mine and agreed >= MIN_AGREED:
+            return Outcome(
+                route,
+                case,
+                200,
+                "leak",
+                f"answered with {label}'s continuation for its first {agreed} characters "
+                f"(B's own shares {mine}), then drifted",
+                text,
+            )
     others = " nor ".join(label for label in whose if label != "B")
     return Outcome(
         route,
