@@ -165,5 +165,5 @@ def _hold_folder(folder: str) -> Path:
         raise ValueError(f"the lab's hold needs its folder: {HOLD}=FOLDER (an existing directory)")
     path = Path(folder).absolute()
     if not path.is_dir():
-        raise ValueError(f"{HOLD}={folder}: no such directory (the test creates it first)")
+        raise ValueError(f"{HOLD}={folder}: no such directory (create the folder first)")
     return path

@@ -8,7 +8,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from kvfence.faults import FAULT_INFO, Fault
+from kvfence.faults import FAULT_INFO, HOLD, HOLD_INFO, Fault
 from kvfence.lab.profiles import PROFILES
 from kvfence.lazy_cli import LazyCommand, LazyGroup
 
@@ -42,6 +42,7 @@ def list_switches() -> None:
     for fault in Fault:
         info = FAULT_INFO[fault]
         table.add_row(fault.value, info.recreates, info.defence_removed)
+    table.add_row(f"{HOLD}=FOLDER", HOLD_INFO.recreates, HOLD_INFO.defence_removed)
     console.print(table)
     for profile in PROFILES.values():
         console.print(
