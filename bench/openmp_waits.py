@@ -6,7 +6,7 @@ libgomp reads it once, when torch loads it, so each setting is a server of its
 own: `kvfence serve --model DIR` (the smollm preset: SmolLM2-135M's geometry,
 f32, all cores) started with
 
-  passive   OMP_WAIT_POLICY=PASSIVE: what kvfence sets (cli.py) unless the user chose
+  passive   OMP_WAIT_POLICY=PASSIVE: what `kvfence serve` sets unless the user chose
   spin10k   GOMP_SPINCOUNT=10000: about 0.1 ms of spinning
   spin2k    GOMP_SPINCOUNT=2000
   spin300k  GOMP_SPINCOUNT=300000: libgomp's own default (about 3 ms of spinning)

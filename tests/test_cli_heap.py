@@ -1,4 +1,5 @@
-"""The CLI makes glibc keep freed heap memory mapped (cli.keep_freed_heap), unless the user chose.
+"""A serving process makes glibc keep freed heap memory mapped (serve/process_tuning.py), and
+OpenMP waits passive, unless the user chose; `kvfence serve` does both before torch loads.
 
 Each case runs in a fresh interpreter: malloc's thresholds are process-wide. What
 is checked is malloc's own accounting (mallinfo2): with the setting a 4 MiB block
@@ -10,14 +11,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from kvfence import cli
-
 PROBE = """
 import ctypes, sys
-from kvfence.cli import keep_freed_heap
+from kvfence.serve.process_tuning import keep_freed_heap
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
                 ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
@@ -77,9 +77,44 @@ def test_a_users_own_malloc_setting_is_left_as_it_is(env: dict[str, str]) -> Non
     assert kept == "False" and int(mapped) >= 4 << 20
 
 
-def test_every_lazy_command_sets_it_before_it_loads(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[str] = []
-    monkeypatch.setattr(cli, "keep_freed_heap", lambda: calls.append("heap") or True)
-    for name in ("serve", "audit"):
-        cli._LAZY_COMMANDS[name].load()
-    assert calls == ["heap", "heap"]
+# Runs `kvfence serve` in a fresh interpreter whose torch is missing: the first import of
+# torch records the settings as they were then, and fails, which ends the command.
+# libgomp reads OMP_WAIT_POLICY only when torch loads it.
+SERVE_PROBE = """
+import importlib.abc, os, sys
+import kvfence.serve.process_tuning as tuning
+seen = {"heap": False}
+real_keep = tuning.keep_freed_heap
+def keep():
+    seen["heap"] = True
+    return real_keep()
+tuning.keep_freed_heap = keep
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            seen.setdefault("at_torch", (os.environ.get("OMP_WAIT_POLICY"), seen["heap"]))
+            raise ModuleNotFoundError("no torch in this probe", name="torch")
+        return None
+sys.meta_path.insert(0, NoTorch())
+from kvfence.cli import main
+try:
+    main(sys.argv[1:])
+except BaseException as e:  # the command ends on the missing torch, however it reports it
+    print("ENDED", type(e).__name__)
+print("AT_TORCH", seen.get("at_torch"))
+"""
+
+
+def test_serve_tunes_the_process_before_torch_loads(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    argv = ["serve", "--model", str(tmp_path / "none"), "--model-kind", "mirror"]
+    out = subprocess.run(
+        [sys.executable, "-c", SERVE_PROBE, *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    assert "ENDED" in out, out
+    assert "AT_TORCH ('PASSIVE', True)" in out, out

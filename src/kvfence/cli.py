@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -24,73 +23,12 @@ from kvfence.engine.sizing import (
 from kvfence.extras import MISSING_EXTRA_EXIT, engine_missing
 from kvfence.kv.geometry import KVGeometry  # torch-free: `kvfence gate` needs no model
 from kvfence.lazy_cli import LazyCommand, LazyGroup
+from kvfence.serve.process_tuning import tune_serving_process
 
 # The built-in tiny geometry (the checkpoint `kvfence make-model` writes).
 TINY_GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=32, page_size=16, dtype="float32")
 TINY_KV_BYTES = 64 * 1024 * 1024
 TINY_CONTEXT = 4096
-
-
-def quiet_openmp_waits() -> None:
-    """OMP_WAIT_POLICY=PASSIVE unless the user chose (OMP_WAIT_POLICY or GOMP_SPINCOUNT).
-
-    libgomp reads it once, when torch loads it, so it is set before any command module is
-    imported. libgomp's default spins ~3 ms without yielding after every parallel region: on
-    a shared machine those threads hold the cores another process, or the thread they wait
-    for, needs (bench/threads.py, 2 cores, load 5: 1.9x the throughput PASSIVE). The decode
-    kernels do not wait on libgomp at all (model/csrc/spin_pool.h); what is left on it are
-    torch's own ops, prefill's matrix products above all, whose regions are long enough
-    that a sleeping wait costs little (bench/openmp_waits.py).
-    """
-    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-
-
-# mallopt(3) parameters (malloc.h) and the values kvfence sets.
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-MMAP_ABOVE_BYTES = 32 << 20  # glibc's own ceiling for its moving threshold (64-bit)
-KEEP_FREED_BYTES = 1 << 30  # free heap memory kept mapped before glibc trims it
-
-
-def keep_freed_heap() -> bool:
-    """Make glibc's malloc keep freed heap memory mapped; True if it was set here.
-
-    A forward step allocates and frees its activations, megabytes each. glibc hands
-    freed memory at the top of a heap back to the kernel (`trim_threshold`), and the
-    engine thread's arena does so after nearly every step, so the next step faults
-    every page of its activations in again, zero-filled: 5,000-17,000 minor faults a
-    request in `kvfence serve` (a 288-token prompt, smollm geometry), 15-25 ms of its
-    TTFT. Setting the trim threshold alone also fixes glibc's otherwise moving mmap
-    threshold at its 128 KiB start (then every activation is an mmap: 60,000 faults a
-    request), so both are set: blocks under 32 MiB come from the heap, and up to 1 GiB
-    of freed heap stays mapped (a server's peak of activations, not its KV pool, which
-    is one allocation above the threshold). A user's own MALLOC_* or glibc.malloc
-    tunables are left as they are; other C libraries are not touched.
-    """
-    if any(k in os.environ for k in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")) or (
-        "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")
-    ):
-        return False
-    try:
-        if not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"):
-            return False
-    except (AttributeError, ValueError, OSError):
-        return False
-    import ctypes
-
-    libc = ctypes.CDLL(None)
-    mmap_ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_ABOVE_BYTES) == 1
-    return mmap_ok and libc.mallopt(_M_TRIM_THRESHOLD, KEEP_FREED_BYTES) == 1
-
-
-def prepare_process() -> None:
-    """Process-wide settings made before any command module is imported."""
-    quiet_openmp_waits()  # before any command module can load torch (and its libgomp)
-    keep_freed_heap()  # before the command's first large allocation
-
-
-def _lazy(target: str, short_help: str) -> LazyCommand:
-    return LazyCommand(target, short_help, prepare=prepare_process)
 
 
 # Commands from other packages are imported only when invoked (serve and the model pull in
@@ -99,19 +37,21 @@ def _lazy(target: str, short_help: str) -> LazyCommand:
 # tests/test_cli_lazy.py checks that each short help is the command's own.
 _LAZY_COMMANDS = MappingProxyType(
     {
-        "serve": _lazy(
+        "serve": LazyCommand(
             "kvfence.serve.cli:serve",
             "Serve a model over the OpenAI API, with tenant isolation (exit 1: capacity gate failed).",
         ),
-        "audit": _lazy(
+        "audit": LazyCommand(
             "kvfence.audit.cli:audit",
             "Audit engines for cross-tenant leaks: exit 0 pass, 1 fail, 2 inconclusive.",
         ),
-        "lab": _lazy(
+        "lab": LazyCommand(
             "kvfence.lab.cli:lab",
             "The incident lab: fault switches that re-create published isolation bugs.",
+            # `kvfence serve` tunes itself; the lab's replay and matrix run the engine here.
+            prepare=tune_serving_process,
         ),
-        "watch": _lazy(
+        "watch": LazyCommand(
             "kvfence.watch.cli:watch",
             "Guard running engines: re-gate on every capacity change, canaries, prefill floor.",
         ),
@@ -124,7 +64,7 @@ Environment:
   KVFENCE_CACHE     where the demo's checkpoints are made (default ~/.cache/kvfence)
   KVFENCE_EXT_DIR   where the C++ kernels are built (default <prefix>/share/kvfence)
   CXX               the compiler that builds them (default g++)
-  OMP_WAIT_POLICY   PASSIVE unless set (or GOMP_SPINCOUNT is)
+  OMP_WAIT_POLICY   serve and lab: PASSIVE unless set (or GOMP_SPINCOUNT is)
 """
 
 

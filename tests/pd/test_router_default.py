@@ -10,17 +10,27 @@ import pytest
 from click.testing import CliRunner
 
 from kvfence.cli import main
-from kvfence.serve.pd.cli import router_of
+from kvfence.serve.cli import serve
+from kvfence.serve.options import PDRouter, ServeOptions
 
 BASE = ["serve", "--disaggregated", "--model", "/nonexistent/m"]
 
 
 @pytest.mark.parametrize(
-    ("given", "disaggregated", "expected"),
-    [(None, True, "sglang"), (None, False, "kvfence"), ("kvfence", True, "kvfence")],
+    ("argv", "expected"),
+    [
+        (["--disaggregated"], PDRouter.SGLANG),
+        (
+            ["--role", "prefill", "--inbox", "tcp://a:1", "--router-addr", "tcp://b:2"],
+            PDRouter.KVFENCE,
+        ),
+        (["--disaggregated", "--router", "kvfence"], PDRouter.KVFENCE),
+        ([], None),
+    ],
 )
-def test_the_default_router(given: str | None, disaggregated: bool, expected: str) -> None:
-    assert router_of({"pd_router": given, "disaggregated": disaggregated}) == expected
+def test_the_default_router(argv: list[str], expected: PDRouter | None) -> None:
+    options = ServeOptions(**serve.make_context("serve", [*argv, "--model", "/m"]).params)
+    assert options.pd_router is expected
 
 
 @pytest.mark.parametrize(

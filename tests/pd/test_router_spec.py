@@ -73,7 +73,7 @@ def _fields(spec: RouterSpec) -> dict[str, object]:
         (_doc(decode=[]), "RouterSpec.decode needs at least one decode worker"),
         (_doc(transport="inprocess"), "RouterSpec.transport is one of tcp, shm"),
         (_doc(log_level="loud"), "RouterSpec.log_level is one of critical"),
-        (_doc(scrub_policy="bleach"), "RouterSpec.scrub_policy: unknown policy 'bleach'"),
+        (_doc(scrub="bleach"), "RouterSpec.scrub: unknown policy 'bleach'"),
         (_doc(faults=["no-such"]), "unknown fault switch 'no-such'"),
         (_doc(no_auth=True), "RouterSpec.no_auth excludes RouterSpec.tenants_file"),
         (
@@ -115,12 +115,13 @@ def test_the_router_entry_exits_2_on_an_unreadable_tenants_file(tmp_path: Path) 
 
 @pytest.mark.parametrize("mode", [["--role", "router"], ["--disaggregated", "--router", "kvfence"]])
 def test_both_router_entries_check_the_options_by_the_same_spec(mode: list[str]) -> None:
-    """The operator's `--role router` and the supervisor build the spec with one function: a
-    bad option is the same usage error (exit 2) in both, before any process starts."""
+    """The operator's `--role router` and the supervisor parse the same options and build the
+    spec with one method: a bad option is the same usage error (exit 2) in both, before any
+    process starts."""
     args = ["serve", *mode, "--model", "/nonexistent/m", "--log-level", "loud", "--no-auth"]
     if mode[0] == "--role":
         args += ["--inbox", "tcp://127.0.0.1:1", "--prefill-addr", "tcp://127.0.0.1:2"]
         args += ["--decode-addr", "tcp://127.0.0.1:3"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2, result.output
-    assert "bad router options: RouterSpec.log_level is one of critical" in result.output
+    assert "Invalid value for '--log-level': 'loud' is not one of 'critical'" in result.output

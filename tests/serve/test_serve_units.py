@@ -168,16 +168,15 @@ def test_the_step_budget_reaches_every_engine_a_serve_command_builds(
     """`--max-batch-tokens`: the single-process engine, the hub's workers, SGLang's workers."""
     import click
 
-    from kvfence.faults import FaultSet
     from kvfence.model.tiny import make_tiny_checkpoint
     from kvfence.serve.build import PoolSizes, build_local
     from kvfence.serve.cli import serve
+    from kvfence.serve.options import Role, ServeOptions, stack_worker_argv
     from kvfence.serve.pd.workers import engine_config
-    from kvfence.serve.sglang.cli import worker_args
-    from kvfence.serve.worker_options import worker_spec
 
     ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("budget") / "t")
-    params = serve.make_context("serve", ["--max-batch-tokens", "64"]).params
+    argv = ["--max-batch-tokens", "64", "--model", str(ckpt), "--kv-pages", "64"]
+    params = serve.make_context("serve", argv).params
     assert params["max_batch_tokens"] == 64
     default = serve.make_context("serve", []).params["max_batch_tokens"]
     assert default == EngineConfig(prefill_pages=1, decode_pages=1).max_batch_tokens
@@ -187,9 +186,10 @@ def test_the_step_budget_reaches_every_engine_a_serve_command_builds(
 
     parts = build_local(ckpt, kind="mirror", pools=PoolSizes(64, 64), max_batch_tokens=64)
     assert parts.pipeline.config.max_batch_tokens == 64
-    spec = worker_spec(params | {"kv_pages": "64"}, FaultSet(), ckpt, "prefill", "-", "-")
+    options = ServeOptions(**params)
+    spec = options.worker_spec(Role.PREFILL, "-", "-")
     assert engine_config(spec, parts.loaded).max_batch_tokens == 64
-    args = worker_args(params, FaultSet(), ckpt)
+    args = stack_worker_argv(options)
     assert args[args.index("--max-batch-tokens") + 1] == "64"
 
 
@@ -200,18 +200,17 @@ def test_the_prefill_order_reaches_every_engine_a_serve_command_builds(
     import click
 
     from kvfence.engine.prefill_order import PrefillOrder
-    from kvfence.faults import FaultSet
     from kvfence.model.tiny import make_tiny_checkpoint
     from kvfence.serve.build import PoolSizes, build_local
     from kvfence.serve.cli import serve
+    from kvfence.serve.options import Role, ServeOptions, stack_worker_argv
     from kvfence.serve.pd.workers import engine_config
-    from kvfence.serve.sglang.cli import worker_args
-    from kvfence.serve.worker_options import worker_spec
 
     ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("order") / "t")
     default = serve.make_context("serve", []).params["prefill_order"]
-    assert default == EngineConfig(prefill_pages=1, decode_pages=1).prefill_order.value
-    params = serve.make_context("serve", ["--prefill-order", "arrival"]).params
+    assert default is EngineConfig(prefill_pages=1, decode_pages=1).prefill_order
+    argv = ["--prefill-order", "arrival", "--model", str(ckpt), "--kv-pages", "64"]
+    params = serve.make_context("serve", argv).params
     with pytest.raises(click.BadParameter, match="shortest") as bad:
         serve.make_context("serve", ["--prefill-order", "longest"])
     assert bad.value.param is not None and bad.value.param.name == "prefill_order"
@@ -220,7 +219,8 @@ def test_the_prefill_order_reaches_every_engine_a_serve_command_builds(
         ckpt, kind="mirror", pools=PoolSizes(64, 64), prefill_order=PrefillOrder.ARRIVAL
     )
     assert parts.pipeline.config.prefill_order is PrefillOrder.ARRIVAL
-    spec = worker_spec(params | {"kv_pages": "64"}, FaultSet(), ckpt, "prefill", "-", "-")
+    options = ServeOptions(**params)
+    spec = options.worker_spec(Role.PREFILL, "-", "-")
     assert engine_config(spec, parts.loaded).prefill_order is PrefillOrder.ARRIVAL
-    args = worker_args(params, FaultSet(), ckpt)
+    args = stack_worker_argv(options)
     assert args[args.index("--prefill-order") + 1] == "arrival"

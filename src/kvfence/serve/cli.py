@@ -1,15 +1,17 @@
-"""`kvfence serve`: the single-process OpenAI-compatible server.
+"""`kvfence serve`: every topology's entry point, and the single-process server.
 
-With no arguments: the tiny checkpoint (made on first use in the cache
-directory), the in-process pipeline, loopback, a free port, and two tenants
-with fresh keys; it prints the URL, a key and a ready-to-paste curl line.
-The capacity gate (I4) runs on the live pools before anything listens: a
-failing gate exits 1 with the gate's message on stderr.
+The options are parsed once, into a `ServeOptions` (serve/options.py): each click option's
+parameter name is one of its fields, and its type converts the flag. With no arguments: the
+tiny checkpoint (made on first use in the cache directory), the in-process pipeline,
+loopback, a free port, and two tenants with fresh keys; it prints the URL, a key and a
+ready-to-paste curl line. The capacity gate (I4) runs on the live pools before anything
+listens: a failing gate exits 1 with the gate's message on stderr.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,15 +20,16 @@ import click
 from kvfence.engine.config import EngineConfig, default_of
 from kvfence.engine.prefill_order import PrefillOrder
 from kvfence.engine.sizing import DEFAULT_HEADROOM, CapacityGateError
-from kvfence.faults import FaultSet
 from kvfence.kv.scrub import ScrubPolicy
 from kvfence.model.config import MODEL_KINDS
-from kvfence.model.tiny import PRESETS, default_checkpoint_dir
+from kvfence.model.tiny import PRESETS
 from kvfence.serve.announce import announce
-from kvfence.serve.config import Capacity, ServeConfig
-from kvfence.serve.pd.spec import CROSS_PROCESS, WorkerSpec, is_loopback
-from kvfence.serve.per_role import parse_per_role
-from kvfence.serve.pool_sizing import DEFAULT_KV_FRACTION, PoolSizes, gate_fix_hint
+from kvfence.serve.config import EXIT_GATE, Capacity, ServeConfig
+from kvfence.serve.option_types import PER_ROLE, EnumChoice, PerRole, parse_faults
+from kvfence.serve.options import PDRouter, Role, ServeOptions
+from kvfence.serve.pd.spec import CROSS_PROCESS, LOG_LEVELS, WorkerSpec
+from kvfence.serve.pool_sizing import DEFAULT_KV_FRACTION, gate_fix_hint
+from kvfence.serve.process_tuning import tune_serving_process
 from kvfence.serve.startup import collector_paused, quiet_torch_import
 from kvfence.serve.tenants import TenantFileError, TenantRegistry
 
@@ -36,8 +39,6 @@ if TYPE_CHECKING:
 # Torch, the model, the web stack and the PD roles are imported where they are used: the
 # `--disaggregated` supervisor and the router role never load a model, and on a
 # shared machine every torch import they skip is start-up time for the workers.
-
-EXIT_GATE = 1
 
 
 @click.command()
@@ -78,10 +79,16 @@ EXIT_GATE = 1
 @click.option(
     "--context-length", type=click.IntRange(1), default=None, help="[default: the model's]"
 )
-@click.option("--kv-pages", default=None, help="KV pages per role: N, or prefill=N,decode=M")
+@click.option(
+    "--kv-pages",
+    type=PER_ROLE,
+    default=PerRole(),
+    help="KV pages per role: N, or prefill=N,decode=M",
+)
 @click.option(
     "--kv-bytes",
-    default=None,
+    type=PER_ROLE,
+    default=PerRole(),
     help="KV bytes per role: N, or prefill=N,decode=M [default: sized from the available memory]",
 )
 @click.option(
@@ -107,7 +114,7 @@ EXIT_GATE = 1
 )
 @click.option(
     "--prefill-order",
-    type=click.Choice([o.value for o in PrefillOrder]),
+    type=EnumChoice(PrefillOrder),
     default=default_of(EngineConfig, "prefill_order").value,
     show_default=True,
     help="the order waiting prompts are admitted in: shortest first (no prompt is overtaken "
@@ -115,11 +122,16 @@ EXIT_GATE = 1
 )
 @click.option(
     "--scrub",
-    type=click.Choice([p.value for p in ScrubPolicy]),
-    default=ScrubPolicy.NONE.value,
+    type=EnumChoice(ScrubPolicy),
+    default=default_of(EngineConfig, "scrub").value,
     show_default=True,
 )
-@click.option("--no-prefix-cache", is_flag=True, help="turn the prefix cache off")
+@click.option(
+    "--prefix-cache/--no-prefix-cache",
+    default=default_of(EngineConfig, "prefix_cache"),
+    show_default=True,
+    help="the prefix cache, one per tenant (I8)",
+)
 @click.option(
     "--shared-prefix-cache",
     is_flag=True,
@@ -130,11 +142,18 @@ EXIT_GATE = 1
     is_flag=True,
     help="start even if the gate fails; reject prompt + max_tokens > pool with HTTP 400",
 )
-@click.option("--headroom", type=float, default=DEFAULT_HEADROOM, show_default=True)
+@click.option(
+    "--headroom",
+    type=click.FloatRange(min=1.0),
+    default=DEFAULT_HEADROOM,
+    show_default=True,
+    help="the gate's margin: the pool must hold context x headroom (I4)",
+)
 @click.option(
     "--lab-fault",
-    "lab_faults",
+    "faults",
     multiple=True,
+    callback=parse_faults,
     help="incident lab: switch a defence off (repeatable; listed in /server_info)",
 )
 @click.option(
@@ -149,7 +168,12 @@ EXIT_GATE = 1
     default=None,
     help="append one JSON line per request (tenant hash, tokens, prefill_s, ttft_s, outcome)",
 )
-@click.option("--log-level", default="warning", show_default=True)
+@click.option(
+    "--log-level",
+    type=click.Choice(LOG_LEVELS, case_sensitive=False),
+    default="warning",
+    show_default=True,
+)
 @click.option(
     "--disaggregated",
     is_flag=True,
@@ -166,7 +190,7 @@ EXIT_GATE = 1
 )
 @click.option(
     "--role",
-    type=click.Choice(["router", "prefill", "decode"]),
+    type=EnumChoice(Role),
     default=None,
     help="run one role (multi-host); give the addresses of the others",
 )
@@ -182,8 +206,7 @@ EXIT_GATE = 1
 )
 @click.option(
     "--router",
-    "pd_router",
-    type=click.Choice(["kvfence", "sglang"]),
+    type=EnumChoice(PDRouter),
     default=None,
     help="the PD router in front: SGLang's sglang-router (the default of --disaggregated; "
     "the pd extra) or kvfence's own hub (the default of --role)",
@@ -207,87 +230,38 @@ EXIT_GATE = 1
     show_default=True,
     help="intra-op threads for the model (0 = torch's default; --disaggregated splits the cores)",
 )
-def serve(
-    model_dir: Path | None,
-    preset: str,
-    model_kind: str,
-    host: str,
-    port: int,
-    tenants_file: Path | None,
-    no_auth: bool,
-    operator_keys: tuple[str, ...],
-    unlimited_tenants: bool,
-    context_length: int | None,
-    kv_pages: str | None,
-    kv_bytes: str | None,
-    kv_memory_fraction: float,
-    page_size: int,
-    max_batch_tokens: int,
-    prefill_order: str,
-    scrub: str,
-    no_prefix_cache: bool,
-    shared_prefix_cache: bool,
-    allow_undersized_pool: bool,
-    headroom: float,
-    lab_faults: tuple[str, ...],
-    default_max_tokens: int,
-    request_log: Path | None,
-    log_level: str,
-    disaggregated: bool,
-    n_prefill: int,
-    n_decode: int,
-    transport: str,
-    role: str | None,
-    inbox: str | None,
-    router_addr: str | None,
-    prefill_addr: tuple[str, ...],
-    decode_addr: tuple[str, ...],
-    kv_host: str,
-    pd_router: str | None,
-    bootstrap_port: int,
-    router_secret_file: Path | None,
-    torch_threads: int,
-) -> None:
+def serve(**given: Any) -> None:
     """Serve a model over the OpenAI API, with tenant isolation (exit 1: capacity gate failed)."""
-    try:
-        faults = FaultSet.parse(lab_faults)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--lab-fault") from None
-    tenants = _tenants(tenants_file, no_auth, host, operator_keys, unlimited_tenants)
-    prefill_pages, decode_pages = parse_per_role(kv_pages, "--kv-pages")
-    prefill_bytes, decode_bytes = parse_per_role(kv_bytes, "--kv-bytes")
-    sizes = (prefill_pages, decode_pages, prefill_bytes, decode_bytes, kv_memory_fraction)
-    if model_dir is None:
-        click.echo(f"using the embedded {preset} checkpoint (made on first use)...", err=True)
-        model_dir = default_checkpoint_dir(preset=preset)
-    params = click.get_current_context().params
+    tune_serving_process()  # first: before anything this command runs can import torch
+    options = ServeOptions(**given)
+    tenants = _tenants(options)
+    if options.model_dir is None:
+        click.echo(
+            f"using the embedded {options.preset} checkpoint (made on first use)...", err=True
+        )
+        options = replace(options, model_dir=options.checkpoint)
     quiet_torch_import()  # before any role imports torch; children inherit it
-    if disaggregated or role is not None:
-        from kvfence.serve.pd.cli import pd_main
-        from kvfence.serve.transfer.native import missing_native
+    if options.pd_router is None:
+        _serve_local(options, tenants)
+        return
+    from kvfence.serve.pd.cli import pd_main
+    from kvfence.serve.transfer.native import missing_native
 
-        if (missing := missing_native(transport)) is not None:
-            raise click.UsageError(missing)
-
-        sys.exit(pd_main(params, faults, tenants, model_dir, announce))
-    _serve_local(params, faults, tenants, model_dir, sizes)
+    if (missing := missing_native(options.transport)) is not None:
+        raise click.UsageError(missing)
+    sys.exit(pd_main(options, tenants, announce))
 
 
-def _serve_local(
-    params: dict[str, Any],
-    faults: FaultSet,
-    tenants: TenantRegistry,
-    model_dir: Path,
-    sizes: tuple[int | None, int | None, int | None, int | None, float],
-) -> None:
+def _serve_local(options: ServeOptions, tenants: TenantRegistry) -> None:
     """The single-process server: build -> capacity gate (I4) -> listen -> serve until stopped."""
     with collector_paused():  # the imports and the build (serve/startup.py)
         from kvfence.engine.threads import keep_one_for_engine
         from kvfence.serve.app import create_app
         from kvfence.serve.thread import bind, serve_forever, url_of
 
-        engine_threads = keep_one_for_engine(params["torch_threads"])  # engine/threads.py
-        parts = _build_local(params, faults, model_dir, sizes, engine_threads)
+        parts = options.build_local(keep_one_for_engine(options.torch_threads))
+        for line in parts.sizing:
+            click.echo(line, err=True)
         capacity = _gate(parts)
         app = create_app(
             parts.pipeline,
@@ -295,52 +269,18 @@ def _serve_local(
             parts.config,
             tenants,
             capacity=capacity,
-            request_log=params["request_log"],
+            request_log=options.request_log,
         )
-        sock = bind(params["host"], params["port"])
+        sock = bind(options.host, options.port)
     url = url_of(sock)
     announce(url, tenants, parts.config.model_name, capacity.report.message())
     parts.pipeline.start()
     try:
-        serve_forever(app, sock, log_level=params["log_level"])
+        serve_forever(app, sock, log_level=options.log_level)
     finally:
         parts.pipeline.stop()
         sock.close()
         click.echo("kvfence: stopped", err=True)
-
-
-def _build_local(
-    params: dict[str, Any],
-    faults: FaultSet,
-    model_dir: Path,
-    sizes: tuple[int | None, int | None, int | None, int | None, float],
-    torch_threads: int,
-) -> ServerParts:
-    from kvfence.serve.build import build_local
-
-    try:
-        parts = build_local(
-            model_dir,
-            kind=params["model_kind"],
-            context_length=params["context_length"],
-            pools=PoolSizes(*sizes),
-            page_size=params["page_size"],
-            max_batch_tokens=params["max_batch_tokens"],
-            prefill_order=PrefillOrder(params["prefill_order"]),
-            scrub=ScrubPolicy(params["scrub"]),
-            faults=faults,
-            prefix_cache=not params["no_prefix_cache"],
-            shared_prefix_cache=params["shared_prefix_cache"],
-            headroom=params["headroom"],
-            allow_undersized_pool=params["allow_undersized_pool"],
-            default_max_tokens=params["default_max_tokens"],
-            torch_threads=torch_threads,
-        )
-    except (OSError, ValueError) as e:
-        raise click.UsageError(str(e)) from None
-    for line in parts.sizing:
-        click.echo(line, err=True)
-    return parts
 
 
 def _gate(parts: ServerParts) -> Capacity:
@@ -355,24 +295,20 @@ def _gate(parts: ServerParts) -> Capacity:
         sys.exit(EXIT_GATE)
 
 
-def _tenants(
-    path: Path | None, no_auth: bool, host: str, keys: tuple[str, ...] = (), unlimited: bool = False
-) -> TenantRegistry:
-    if no_auth:
-        if path is not None or keys:
-            raise click.UsageError("--no-auth excludes --tenants and --operator-key")
-        if not is_loopback(host):
-            raise click.UsageError("--no-auth is only allowed on a loopback host")
+def _tenants(options: ServeOptions) -> TenantRegistry:
+    """The tenant registry: the dev tenant (`--no-auth`, checked by ServeOptions), the file's,
+    or two generated tenants."""
+    if options.no_auth:
         return TenantRegistry.dev()
-    if path is None:
+    if options.tenants_file is None:
         registry = TenantRegistry.generate()
     else:
         try:
-            registry = TenantRegistry.from_file(path)
+            registry = TenantRegistry.from_file(options.tenants_file)
         except TenantFileError as e:
             raise click.BadParameter(str(e), param_hint="--tenants") from None
-    registry = registry.without_default_limits() if unlimited else registry
+    registry = registry.without_default_limits() if options.unlimited_tenants else registry
     try:
-        return registry.with_operator_keys(keys)
+        return registry.with_operator_keys(options.operator_keys)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--operator-key") from None

@@ -9,6 +9,9 @@ from kvfence.engine.backend import PoolInfo
 from kvfence.engine.sizing import DEFAULT_HEADROOM, GateReport, capacity_gate
 from kvfence.faults import Fault, FaultSet
 
+# A serving process whose live pools fail the capacity gate (I4) exits with this, unserved.
+EXIT_GATE = 1
+
 
 @dataclass(frozen=True, slots=True)
 class ServeConfig:

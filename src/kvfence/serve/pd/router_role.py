@@ -14,13 +14,11 @@ from pathlib import Path
 from kvfence.engine.sizing import CapacityGateError
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve.app import create_app
-from kvfence.serve.config import decide_capacity
+from kvfence.serve.config import EXIT_GATE, decide_capacity
 from kvfence.serve.pd.backend import PDBackend
 from kvfence.serve.pd.spec import RouterSpec
 from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.thread import bind, serve_forever, url_of
-
-EXIT_GATE = 1
 
 # Prints the router's URL, keys and gate verdict once it listens (serve/cli.py `announce`).
 Announce = Callable[[str, TenantRegistry, str, str], None]

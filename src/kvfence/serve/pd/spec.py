@@ -35,7 +35,8 @@ CROSS_PROCESS = ("tcp", "shm", "mooncake", "nixl")
 
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
-    """Everything one worker process needs; built from `kvfence serve --role …` options."""
+    """Everything one worker process needs (`ServeOptions.worker_spec` derives it). Its values
+    are the JSON document's: enums by their values, paths as strings."""
 
     role: str  # "prefill" or "decode"
     model_dir: str
@@ -70,6 +71,8 @@ class WorkerSpec:
                 f"prefill_order is one of {', '.join(o.value for o in PrefillOrder)}, "
                 f"got {self.prefill_order!r}"
             )
+        if self.scrub not in {p.value for p in ScrubPolicy}:
+            raise ValueError(f"WorkerSpec.scrub: unknown policy {self.scrub!r}")
         if self.torch_threads < 0:
             raise ValueError(f"torch_threads must be >= 0, got {self.torch_threads}")
 
@@ -89,8 +92,8 @@ def is_loopback(host: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class RouterSpec:
-    """Everything the router process needs; built from `kvfence serve --role router` options,
-    or by the `--disaggregated` supervisor for its router child."""
+    """Everything the router process needs (`ServeOptions.router_spec` derives it), for `--role
+    router` or the `--disaggregated` supervisor's router child."""
 
     model_dir: str
     inbox: str  # the router's control inbox, which the workers report to
@@ -104,7 +107,7 @@ class RouterSpec:
     allow_undersized_pool: bool = False
     faults: tuple[str, ...] = ()
     default_max_tokens: int = default_of(ServeConfig, "default_max_tokens")
-    scrub_policy: str = default_of(ServeConfig, "scrub_policy")
+    scrub: str = default_of(ServeConfig, "scrub_policy")  # a ScrubPolicy value
     prefix_cache: bool = True
     shared_prefix_cache: bool = False
     log_level: str = "warning"
@@ -126,8 +129,8 @@ class RouterSpec:
             raise ValueError(
                 f"RouterSpec.log_level is one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
             )
-        if self.scrub_policy not in {p.value for p in ScrubPolicy}:
-            raise ValueError(f"RouterSpec.scrub_policy: unknown policy {self.scrub_policy!r}")
+        if self.scrub not in {p.value for p in ScrubPolicy}:
+            raise ValueError(f"RouterSpec.scrub: unknown policy {self.scrub!r}")
         FaultSet.parse(self.faults)  # an unknown switch names itself and the known ones
         self._check_auth()
 
@@ -151,7 +154,7 @@ class RouterSpec:
             allow_undersized_pool=self.allow_undersized_pool,
             faults=FaultSet.parse(self.faults),
             default_max_tokens=self.default_max_tokens,
-            scrub_policy=self.scrub_policy,
+            scrub_policy=self.scrub,
             transport=self.transport,
             disaggregated=True,
             prefix_cache=self.prefix_cache,

@@ -10,84 +10,22 @@ from typing import Any
 
 import click
 
-from kvfence.faults import FaultSet
+from kvfence.serve.options import ServeOptions, sglang_worker_spec, stack_spec
 from kvfence.serve.pd.worker_entry import set_torch_threads
 from kvfence.serve.startup import collector_paused
 from kvfence.serve.supervisor import interrupts_unwind
 from kvfence.serve.tenants import TenantRegistry
-from kvfence.serve.worker_options import worker_spec
 
 
-def read_secret(path: Path | None) -> str:
-    if path is None:
-        raise click.UsageError(
-            "--router sglang --role prefill|decode needs --router-secret-file (the router "
-            "credential: the router reaches this worker at URL/r/<secret>)"
-        )
-    secret = path.read_text().strip()
-    if len(secret) < 16 or not secret.isalnum():
-        raise click.BadParameter(
-            "the router secret must be at least 16 letters or digits",
-            param_hint="--router-secret-file",
-        )
-    return secret
-
-
-# Options every worker of the stack gets, as `kvfence serve --disaggregated` passes them.
-_SHARED = (
-    "model_kind",
-    "context_length",
-    "kv_pages",
-    "kv_bytes",
-    "kv_memory_fraction",
-    "page_size",
-    "max_batch_tokens",
-    "prefill_order",
-    "scrub",
-    "transport",
-    "log_level",
-    "headroom",
-    "default_max_tokens",
-    "kv_host",
-)
-_FLAGS = ("no_prefix_cache", "shared_prefix_cache", "allow_undersized_pool")
-
-
-def worker_args(params: dict[str, Any], faults: FaultSet, model_dir: Path) -> tuple[str, ...]:
-    args = ["--model", str(model_dir)]
-    for name in _SHARED:
-        if params[name] is not None:
-            args += ["--" + name.replace("_", "-"), str(params[name])]
-    args += ["--" + n.replace("_", "-") for n in _FLAGS if params[n]]
-    workers = params["n_prefill"] + params["n_decode"]  # co-located: split the cores
-    args += [
-        "--torch-threads",
-        str(params["torch_threads"] or max(1, (os.cpu_count() or 1) // workers)),
-    ]
-    for f in faults.names():
-        args += ["--lab-fault", f]
-    return tuple(args)
-
-
-def run_stack(
-    params: dict[str, Any], faults: FaultSet, tenants: TenantRegistry, model_dir: Path
-) -> int:
+def run_stack(options: ServeOptions, tenants: TenantRegistry) -> int:
     """sglang-router + the workers, supervised together; the router's URL is the public one."""
-    from kvfence.serve.sglang.stack import Stack, StackSpec
+    from kvfence.serve.sglang.stack import Stack
 
     with tempfile.TemporaryDirectory(prefix="kvfence-tenants-") as tmp:
         tenants_file = Path(tmp) / "tenants.json"
         tenants_file.touch(mode=0o600)
         tenants_file.write_text(tenants.to_json())
-        spec = StackSpec(
-            worker_args=worker_args(params, faults, model_dir),
-            tenants_file=tenants_file,
-            n_prefill=params["n_prefill"],
-            n_decode=params["n_decode"],
-            host=params["host"],
-            port=params["port"],
-        )
-        stack = Stack(spec)
+        stack = Stack(stack_spec(options, tenants_file))
         with interrupts_unwind():
             return _run(stack, tenants)
 
@@ -129,37 +67,18 @@ def _announce(stack: Any, tenants: TenantRegistry) -> None:
     sys.stdout.flush()
 
 
-def sglang_main(
-    params: dict[str, Any], faults: FaultSet, tenants: TenantRegistry, model_dir: Path
-) -> int:
-    role = params["role"]
-    if params["disaggregated"]:
-        if role is not None:
-            raise click.UsageError("--disaggregated starts every role; --role runs one of them")
-        return run_stack(params, faults, tenants, model_dir)
-    if role not in ("prefill", "decode"):
-        raise click.UsageError(
-            "with --router sglang, --role is prefill or decode (the router is sglang-router: "
-            "python -m sglang_router.launch_router --pd-disaggregation …)"
-        )
+def sglang_main(options: ServeOptions, tenants: TenantRegistry) -> int:
+    """The whole stack (`--disaggregated`), or one worker of it (`--role prefill|decode`)."""
+    if options.disaggregated:
+        return run_stack(options, tenants)
+    assert options.role is not None  # ServeOptions: --role prefill|decode here
     # No kvfence control plane: the bootstrap channel replaces the inbox and the router.
-    worker = worker_spec(params, faults, model_dir, role, inbox="-", router="-")
+    worker = options.worker_spec(options.role, inbox="-", router="-")
     with collector_paused():  # start-up imports (serve/startup.py)
-        from kvfence.serve.sglang.worker import SglangWorkerSpec, run_sglang_worker  # torch
+        from kvfence.serve.sglang.worker import run_sglang_worker  # torch
 
         set_torch_threads(worker.torch_threads)
-    spec = SglangWorkerSpec(
-        worker=worker,
-        secret=read_secret(params["router_secret_file"]),
-        host=params["host"],
-        port=params["port"],
-        bootstrap_port=params["bootstrap_port"],
-        headroom=params["headroom"],
-        allow_undersized_pool=params["allow_undersized_pool"],
-        default_max_tokens=params["default_max_tokens"],
-        log_level=params["log_level"],
-    )
-    rc = run_sglang_worker(spec, tenants)
+    rc = run_sglang_worker(sglang_worker_spec(options, worker), tenants)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)  # as the other workers: skip a slow finalisation of torch and zmq state
