@@ -89,7 +89,7 @@ def test_the_worker_and_router_specs_are_the_options_own() -> None:
     )  # fmt: skip
     prefill = o.worker_spec(Role.PREFILL, "tcp://w:1", "tcp://r:1")
     decode = o.worker_spec(Role.DECODE, "tcp://w:2", "tcp://r:1", torch_threads=1)
-    assert (prefill.pages, decode.pages) == (8, 16)
+    assert (prefill.kv_pages, decode.kv_pages) == (8, 16)
     assert (prefill.torch_threads, decode.torch_threads) == (3, 1)
     assert prefill.scrub == "on_allocate" and prefill.prefill_order == "arrival"
     assert prefill.shared_prefix_namespace is not None and prefill.faults == ("no-invalidate",)

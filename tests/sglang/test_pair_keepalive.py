@@ -44,7 +44,7 @@ WAIT_S = 2.0
 @pytest.fixture
 def decode(sgl_checkpoint: Path) -> Iterator[DecodeSide]:
     loaded = load_model(str(sgl_checkpoint), kind="mirror")
-    spec = WorkerSpec("decode", str(sgl_checkpoint), "mirror", "tcp://127.0.0.1:0", "", pages=64)
+    spec = WorkerSpec("decode", str(sgl_checkpoint), "mirror", "tcp://127.0.0.1:0", "", kv_pages=64)
     geometry = loaded.config.kv_geometry(page_size=spec.page_size)
     config = engine_config(spec, loaded)
     transport = get_transport("tcp", host="127.0.0.1")

@@ -218,7 +218,7 @@ class ServeOptions:
             model_kind=self.model_kind,
             inbox=inbox,
             router=router,
-            pages=self.kv_pages.of(role.value),
+            kv_pages=self.kv_pages.of(role.value),
             kv_bytes=self.kv_bytes.of(role.value),
             kv_memory_fraction=self.kv_memory_fraction,
             page_size=self.page_size,

@@ -43,7 +43,7 @@ class WorkerSpec:
     model_kind: str
     inbox: str  # the control address this worker binds, e.g. tcp://10.0.0.2:7001
     router: str  # the router's control inbox
-    pages: int | None = None  # this role's KV pool in pages, or
+    kv_pages: int | None = None  # this role's KV pool in pages, or
     kv_bytes: int | None = None  # a byte budget (whole pages, rounded down); default: from memory
     kv_memory_fraction: float = DEFAULT_KV_FRACTION
     page_size: int = default_of(EngineConfig, "page_size")

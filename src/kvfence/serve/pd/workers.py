@@ -61,7 +61,7 @@ IDLE_POLL_MS = 20
 
 def role_pages(spec: WorkerSpec, loaded: LoadedModel) -> int:
     geometry = loaded.config.kv_geometry(page_size=spec.page_size)
-    pages, kv_bytes, fraction = spec.pages, spec.kv_bytes, spec.kv_memory_fraction
+    pages, kv_bytes, fraction = spec.kv_pages, spec.kv_bytes, spec.kv_memory_fraction
     if spec.role == "prefill":
         sizes = PoolSizes(pages, None, kv_bytes, None, fraction)
     else:
