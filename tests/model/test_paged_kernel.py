@@ -75,3 +75,37 @@ def test_kernel_refuses_a_table_entry_outside_the_pool(
                 torch.zeros(1, 2, head_dim), k, k.clone(), table,
                 torch.tensor([0]), torch.tensor([4]), 1.0, vector=vector,
             )  # fmt: skip
+
+
+# Lengths past the kernel's shortest span (256 keys) and off every page and tile edge.
+@pytest.mark.parametrize("lengths", [[600], [517], [4099], [1, 2049], [5, 700, 1000]])
+@pytest.mark.parametrize("window", [None, 700])
+def test_long_rows_split_over_key_spans_equal_torch(lengths: list[int], window: int | None) -> None:
+    # Few rows on 2 threads: each (row, KV head) is cut into spans of keys and merged.
+    torch.set_num_threads(2)
+    torch.manual_seed(1)
+    config = heads_config(64, 9, 3)
+    pool = make_pool(config, sum(-(-n // 16) for n in lengths) + 2, page_size=16)
+    pool.k.normal_()
+    pool.v.normal_()
+    rows = []
+    for i, length in enumerate(lengths):
+        owner = pool.register_owner(f"r{i}")
+        pages = pool.allocate(owner, pool.geometry.pages_for(length))
+        rows.append(RowSpec(pages, owner, [1], start=length - 1))
+    batch = build_forward_batch(16, rows)
+    q = torch.randn(len(rows), config.num_heads, config.head_dim) * 2
+    kernel = paged_cpu.load()
+    assert kernel is not None
+    plan = CPUAttention(kernel=False).plan(pool, batch)
+    lo, hi = plan.decode_bounds(window)
+    for vector in (True, False):
+        got = kernel.attend(q, pool.k[0], pool.v[0], batch.pages.pages, lo, hi, 0.125, vector)
+        for r, length in enumerate(lengths):  # torch over the row's keys, read by hand
+            slots = [int(batch.pages.pages[r, p // 16]) * 16 + p % 16 for p in range(length)]
+            a = int(lo[r])
+            k = pool.k[0].view(-1, 3, 64)[slots[a:]].repeat_interleave(3, dim=1)
+            v = pool.v[0].view(-1, 3, 64)[slots[a:]].repeat_interleave(3, dim=1)
+            want = torch.softmax(torch.einsum("hd,khd->hk", q[r], k) * 0.125, -1)
+            want = torch.einsum("hk,khd->hd", want, v)
+            assert torch.allclose(got[r], want, atol=2e-5, rtol=0), (length, vector)

@@ -17,6 +17,13 @@
 // its place on the next page, which beat a whole page's lines at once by 1.6x
 // (bench/decode_attention.py, 16 rows), and the softmax's exp is a
 // polynomial the compiler vectorises. Other shapes take the scalar path.
+//
+// A few long rows make few jobs (one row of SmolLM2 is 3, one per KV head, on 2
+// threads: one thread does two while the other waits), so when the jobs are fewer
+// than kJobsPerThread per thread, each is cut into spans of keys of at least
+// kMinSpan: every span is a job with its own softmax, writing its normalised
+// output, maximum and sum, and the caller merges a row's spans by their weights
+// (sum * exp(max - the row's maximum)) once every job is done.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -43,7 +50,11 @@ struct Job {
   float* o;        // [G, D]
   const int64_t* table;
   int64_t a, b, kh;
+  float* ms = nullptr;  // a span's job: [2, G], each query's maximum score, then its sum
 };
+
+constexpr int64_t kJobsPerThread = 4;  // fewer (row, KV head) jobs than this: cut into spans
+constexpr int64_t kMinSpan = 256;      // keys; a shorter span's merge costs more than it saves
 
 struct Shape {
   const float* k;
@@ -104,6 +115,7 @@ bool attend_vec(const Job& job, const Shape& s, std::vector<float>& scores) {
       sum += sg[j];
     }
     inv[g] = 1.0f / sum;
+    if (job.ms) job.ms[g] = m, job.ms[G + g] = sum;
   }
   vf ov[G][C];
   for (int g = 0; g < G; ++g)
@@ -155,6 +167,7 @@ bool attend_scalar(const Job& job, const Shape& s, std::vector<float>& scores) {
       sum[g] += scores[g * n + j];
     }
   }
+  for (int64_t g = 0; job.ms && g < G; ++g) job.ms[g] = mx[g], job.ms[G + g] = sum[g];
   std::fill(job.o, job.o + G * D, 0.0f);
   for (int64_t j = 0; j < n; ++j) {
     const float* vv = at(s.v, s, job.table[(a + j) / s.ps], a + j, job.kh);
@@ -210,20 +223,65 @@ extern "C" int kvf_paged_decode(
     float scale, int threads, int vector) {
   const Shape shape{k, v, KVH, D, H / KVH, ps, P, scale};
   const AttendFn attend = vector ? for_shape(D, shape.G) : attend_scalar;
+  const int64_t G = shape.G, jobs = R * KVH;
+  // Spans per (row, KV head) job: kJobsPerThread or more jobs for each thread, the same number
+// for each (equal spans of one row take equal time), none shorter than kMinSpan.
+  int64_t spans = 1;
+  if (threads > 1 && jobs < kJobsPerThread * threads) {
+    int64_t longest = 0;
+    for (int64_t r = 0; r < R; ++r) longest = std::max(longest, std::min(hi[r], W * ps) - lo[r]);
+    spans = (kJobsPerThread * threads + jobs - 1) / jobs;
+    while (jobs * spans % threads != 0) ++spans;  // as many jobs for each thread
+    spans = std::max<int64_t>(1, std::min(spans, longest / kMinSpan));
+  }
+  // A span's output [G, D] and its [2, G] maxima and sums, per (row, KV head, span).
+  std::vector<float> part(spans > 1 ? jobs * spans * G * (D + 2) : 0);
   std::atomic<int> bad{0};
   std::atomic<int64_t> next{0};
   kvf::parallel_parts(threads, [&](int, int) {
     std::vector<float> scores;
-    for (int64_t j; (j = next.fetch_add(1)) < R * KVH;) {
-      const int64_t r = j / KVH, kh = j % KVH;
-      const Job job{q + (r * H + kh * shape.G) * D, out + (r * H + kh * shape.G) * D,
-                    table + r * W, lo[r], std::min(hi[r], W * ps), kh};
+    for (int64_t j; (j = next.fetch_add(1)) < jobs * spans;) {
+      const int64_t r = j / spans / KVH, kh = j / spans % KVH, sp = j % spans;
+      const int64_t a = lo[r], b = std::min(hi[r], W * ps);
+      Job job{q + (r * H + kh * G) * D, out + (r * H + kh * G) * D, table + r * W, a, b, kh};
+      if (spans > 1) {  // keys [a, b) cut evenly; a row shorter than `spans` keys has empty ones
+        job.a = a + (b - a) * sp / spans;
+        job.b = a + (b - a) * (sp + 1) / spans;
+        job.o = part.data() + j * G * (D + 2);
+        job.ms = job.o + G * D;
+      }
       if (job.b <= job.a) {
-        std::fill(job.o, job.o + shape.G * D, 0.0f);
+        std::fill(job.o, job.o + G * D, 0.0f);
+        if (job.ms) std::fill(job.ms, job.ms + 2 * G, 0.0f);  // weight 0 in the merge
       } else if (!attend(job, shape, scores)) {
         bad.store(1);  // the call fails; the caller raises and uses no output
       }
     }
   });
-  return bad.load();
+  if (spans == 1 || bad.load()) return bad.load();
+  for (int64_t j = 0; j < jobs; ++j) {  // merge each (row, KV head)'s spans into `out`
+    const int64_t r = j / KVH, kh = j % KVH;
+    const float* first = part.data() + j * spans * G * (D + 2);
+    for (int64_t g = 0; g < G; ++g) {
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t sp = 0; sp < spans; ++sp) {
+        const float* ms = first + sp * G * (D + 2) + G * D;
+        if (ms[G + g] > 0.0f) top = std::max(top, ms[g]);
+      }
+      float* o = out + (r * H + kh * G + g) * D;
+      std::fill(o, o + D, 0.0f);
+      float total = 0.0f;
+      for (int64_t sp = 0; sp < spans; ++sp) {
+        const float* po = first + sp * G * (D + 2);
+        const float* ms = po + G * D;
+        if (!(ms[G + g] > 0.0f)) continue;  // an empty span
+        const float w = ms[G + g] * exp_nonpositive(ms[g] - top);
+        total += w;
+        for (int64_t d = 0; d < D; ++d) o[d] += w * po[g * D + d];
+      }
+      const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+  }
+  return 0;
 }

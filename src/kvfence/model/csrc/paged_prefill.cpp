@@ -23,6 +23,8 @@
 // accumulators per query vector; four would not fit the registers). The softmax is
 // online (a running maximum and sum per query vector), the exp the polynomial of
 // vec.h on whole vectors; only spans that cross a query's position pay for a mask.
+// A span's softmax takes three passes over its 8 query vectors (the maxima, the
+// exps, the rescales), so each pass's work is independent from vector to vector.
 // Jobs are taken longest first (the blocks at the end of a prompt attend the most
 // keys) on the spin pool's threads: a chunk of 512 tokens is 24 jobs or more with
 // SmolLM2's 3 KV heads, so two threads finish within one job of each other.
@@ -214,36 +216,44 @@ void attend_span(const Block& b, const float* kt, const float* const* vrow, int6
     } else {
       score_tiles<D, NT>(b.qs + r0 * D, kt, sc);
     }
-    for (int i = 0; i < kRows; ++i) {
+    // The softmax in three passes over the block's rows, so no row's exps wait on the
+    // horizontal maximum and scalar work before them: each pass's rows are independent.
+    float m_new[kRows];
+    vi live[NT * kRows];  // whole spans leave it unread
+    for (int i = 0; i < kRows; ++i) {  // each row's new maximum (masked keys at -inf)
       const int64_t r = r0 + i;
-      vi live[NT];
       vf m = splat(kNegInf);
       for (int t = 0; t < NT; ++t) {
         vf& x = sc[t * kRows + i];
         if (!whole) {  // lane j of tile t attends iff first[r] <= k0 + 16 t + j <= last[r]
           const vi kp = lane + static_cast<int32_t>(k0 + t * kLanes);
-          live[t] = (kp >= static_cast<int32_t>(b.first[r])) &
-                    (kp <= static_cast<int32_t>(b.last[r]));
-          x = live[t] ? x : splat(kNegInf);
+          vi& l = live[t * kRows + i];
+          l = (kp >= static_cast<int32_t>(b.first[r])) & (kp <= static_cast<int32_t>(b.last[r]));
+          x = l ? x : splat(kNegInf);
         }
         m = vmax(m, x);
       }
       const float span_max = hmax(m);
-      if (span_max == kNegInf) {
-        for (int t = 0; t < NT; ++t) store(pbuf[i] + t * kLanes, vf{});
-        continue;
-      }
-      const float m_new = span_max > b.mx[r] ? span_max : b.mx[r];
-      vf total{};
+      m_new[i] = span_max > b.mx[r] ? span_max : b.mx[r];
+    }
+    vf total[kRows];
+    for (int i = 0; i < kRows; ++i) {  // the weights: exp(score - new maximum), 0 if masked
+      const vf mv = splat(m_new[i] == kNegInf ? 0.0f : m_new[i]);
+      vf sum_i{};
       for (int t = 0; t < NT; ++t) {
-        vf p = exp_vec(sc[t * kRows + i] - m_new);
-        if (!whole) p = live[t] ? p : vf{};  // exactly 0, not exp(-87)
+        vf p = exp_vec(sc[t * kRows + i] - mv);
+        if (!whole) p = live[t * kRows + i] ? p : vf{};  // exactly 0, not exp(-87)
         store(pbuf[i] + t * kLanes, p);
-        total += p;
+        sum_i += p;
       }
-      const float alpha = b.mx[r] == kNegInf ? 0.0f : kvf::exp_nonpositive(b.mx[r] - m_new);
-      store(b.sum + r * kLanes, load(b.sum + r * kLanes) * alpha + total);
-      b.mx[r] = m_new;
+      total[i] = sum_i;
+    }
+    for (int i = 0; i < kRows; ++i) {  // rescale what the row has so far to the new maximum
+      const int64_t r = r0 + i;
+      if (m_new[i] == kNegInf) continue;  // nothing attended yet, nor in this span
+      const float alpha = b.mx[r] == kNegInf ? 0.0f : kvf::exp_nonpositive(b.mx[r] - m_new[i]);
+      store(b.sum + r * kLanes, load(b.sum + r * kLanes) * alpha + total[i]);
+      b.mx[r] = m_new[i];
       if (alpha != 1.0f) {
         float* a = b.acc + r * D;
         for (int c = 0; c < C; ++c) store(a + c * kLanes, load(a + c * kLanes) * alpha);
