@@ -16,14 +16,18 @@ converted from it), one server at a time:
   vLLM      CPU build, `--dtype float32`, `VLLM_CPU_OMP_THREADS_BIND=0-1`, 1 GiB KV
   llama.cpp `llama-server -t 2 -np 16 -c 16384` (1,024 tokens per slot), f32 GGUF
   kvfence-pd  kvfence's disaggregated stack: the real sglang-router (PD mode) in front of one
-            prefill and one decode `kvfence serve --router sglang` worker (1 GiB KV each, one
-            torch thread each: both share the 2 cores), KV over TCP; `kvfence-pd-mooncake`
-            the same with the Mooncake transfer engine. The router takes text prompts only
-            (token ids get a 422), so these rows send each prompt's ids as text, trimmed
-            until it encodes to at most the same number of tokens (the prompt tokens sent are
-            printed); requests carry a tenant key (the workers authenticate every request, I10).
+            prefill and one decode `kvfence serve --router sglang` worker (1 GiB KV each; a
+            worker stepping alone runs on both cores, beside the other on one), KV over TCP;
+            `kvfence-pd-mooncake` the same with the Mooncake transfer engine. The router takes
+            text prompts only (token ids get a 422), so these rows send each prompt's ids as
+            text, trimmed until it encodes to at most the same number of tokens (the prompt
+            tokens sent are printed); requests carry a tenant key (the workers authenticate
+            every request, I10).
             `kvfence-pd-noedge` (not in the default list): the same stack with the router itself
-            on the public address, without kvfence's edge in front: the edge's cost, same run
+            on the public address, without kvfence's edge in front: the edge's cost, same run.
+            `kvfence-pd-fixed` (not in the default list): the same stack with each worker on
+            its own half of the cores for good, instead of the whole host whenever the other
+            worker has nothing to step (serve/sglang/cores.py): that sharing's gain, same run
   vllm-pd   vLLM's own disaggregated fleet (bench/peers/pd_fleet.py): a prefill and a decode
             vLLM CPU server (float32, NixlConnector over DRAM, each pinned to one core) behind
             vllm-router, 1 GiB of KV blocks each; prompts as text, as for kvfence-pd
@@ -90,8 +94,13 @@ ENGINES = (
     "vllm-pd",
     "llamacpp",
 )
-EXTRA_ENGINES = ("kvfence-fcfs", "kvfence-pd-noedge")
-PD_TRANSPORTS = {"kvfence-pd": "tcp", "kvfence-pd-mooncake": "mooncake", "kvfence-pd-noedge": "tcp"}
+EXTRA_ENGINES = ("kvfence-fcfs", "kvfence-pd-noedge", "kvfence-pd-fixed")
+PD_TRANSPORTS = {
+    "kvfence-pd": "tcp",
+    "kvfence-pd-mooncake": "mooncake",
+    "kvfence-pd-noedge": "tcp",
+    "kvfence-pd-fixed": "tcp",
+}
 KV_BYTES = 1 << 30  # every engine gets 1 GiB of KV (vLLM's VLLM_CPU_KVCACHE_SPACE=1)
 CONTEXT = 2048
 VLLM_BLOCK = 128  # vLLM CPU's KV block, in tokens
@@ -401,7 +410,12 @@ def start_kvfence(
 
 @contextmanager
 def pd_stack(
-    transport: str, model_dir: Path, log_dir: Path, edge: bool = True, context: int = CONTEXT
+    transport: str,
+    model_dir: Path,
+    log_dir: Path,
+    edge: bool = True,
+    context: int = CONTEXT,
+    share_cores: bool = True,
 ) -> Iterator[Serving]:
     """sglang-router + one prefill + one decode kvfence worker (serve/sglang/stack.py)."""
     from kvfence.serve.sglang.stack import Stack, StackSpec
@@ -416,7 +430,8 @@ def pd_stack(
     args = ["--model", str(model_dir), "--model-kind", "llama", "--kv-bytes", str(KV_BYTES)]
     args += ["--context-length", str(context), "--torch-threads", "1", "--transport", transport]
     t0 = time.perf_counter()
-    with Stack(StackSpec(tuple(args), tenants_file, edge=edge), workdir=workdir) as stack:
+    spec = StackSpec(tuple(args), tenants_file, edge=edge, share_cores=share_cores)
+    with Stack(spec, workdir=workdir) as stack:
         ready = time.perf_counter() - t0
         key = {"Authorization": f"Bearer {tenants.tenants[0].keys[0]}"}
         router = stack.supervisor.procs["sglang-router"]
@@ -456,7 +471,10 @@ def engine_server(
     if engine in PD_TRANSPORTS:
         log_dir.mkdir(parents=True, exist_ok=True)
         edge = engine != "kvfence-pd-noedge"
-        with pd_stack(PD_TRANSPORTS[engine], model_dir, log_dir, edge) as serving:
+        share = engine != "kvfence-pd-fixed"
+        with pd_stack(
+            PD_TRANSPORTS[engine], model_dir, log_dir, edge, share_cores=share
+        ) as serving:
             yield serving
         return
     if engine == "vllm-pd":

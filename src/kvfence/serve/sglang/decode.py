@@ -72,6 +72,7 @@ class DecodeSide(PairSide):
         for failure in apply_transfer_events(engine, self.receiver.poll()):
             self.transfer_failures += 1  # cancelled, refused or its sender died
             self._deliver(failure)
+        self.claim_cores(engine.has_work)
         if engine.has_work and not (self.hold and self.hold.holds_step(bool(engine.running))):
             engine.step()
         out = engine.drain()

@@ -92,6 +92,7 @@ class PrefillSide(PairSide):
         now = time.monotonic()
         self._expire(now)
         self._keepalive(now)
+        self.claim_cores(engine.has_work)
         if engine.has_work:
             engine.step()
         out = engine.drain()

@@ -22,6 +22,7 @@ from kvfence.engine.counters import Counters
 from kvfence.engine.messages import ErrorInfo, Message
 from kvfence.kv.pool import KVPool, PageHandle
 from kvfence.serve.channel import Inbox, Outbox, Waker
+from kvfence.serve.sglang.cores import CoreShare
 from kvfence.serve.sglang.fields import RoomBinding
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class PairSide(ABC):
         self._thread: threading.Thread | None = None
         self.integrity = ""
         self._fault: str | None = None  # set once the engine loop raised (health says why)
+        self.cores: CoreShare | None = None  # co-located in a stack: threads follow the others
 
     # ---- the Backend contract (any thread) ---------------------------------------------
 
@@ -86,6 +88,8 @@ class PairSide(ABC):
             box.close()
         self.inbox.close()
         self.close()
+        if self.cores is not None:
+            self.cores.close()
         self.waker.close()
         self.ctx.term()
 
@@ -136,6 +140,12 @@ class PairSide(ABC):
             out = list(self._commands)
             self._commands.clear()
         return out
+
+    def claim_cores(self, busy: bool) -> None:
+        """Before the turn's step (engine thread): its intra-op threads, where a stack shares
+        the host's cores between its workers (cores.py); otherwise the fixed setting stands."""
+        if self.cores is not None:
+            self.cores.stepping(busy)
 
     def receive(self, busy: bool) -> list[Message]:
         return self.inbox.poll(0 if busy else IDLE_POLL_MS)

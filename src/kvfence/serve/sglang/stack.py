@@ -32,6 +32,7 @@ from types import TracebackType
 from typing import Any, cast
 
 from kvfence.serve.admission import BODY_FLOOR
+from kvfence.serve.sglang.cores import CoreShareSpec
 from kvfence.serve.sglang.edge_main import ANNOUNCE as EDGE_ANNOUNCE
 from kvfence.serve.sglang.edge_main import EdgeArgs
 from kvfence.serve.sglang.gate import router_url
@@ -77,6 +78,10 @@ class StackSpec:
     # `/workers` there with a tenant key (the audit sends its operator key only on the
     # operator-data paths); the tenants' address is the edge either way.
     keyed_control_plane: bool = True
+    # True: the workers, all on this host, share its cores step by step (cores.py): a worker
+    # stepping alone takes every core, beside the others its share. False: each keeps its
+    # `--torch-threads` for good.
+    share_cores: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,8 +124,9 @@ class Stack:
         secret_file.write_text(self.secret)
         roles = ["prefill"] * self.spec.n_prefill + ["decode"] * self.spec.n_decode
         names = [f"{r}-{i}" for i, r in enumerate(roles)]
-        for name, role in zip(names, roles, strict=True):
-            self._spawn(name, self._worker_argv(role, secret_file), dict(self.spec.worker_env))
+        for slot, (name, role) in enumerate(zip(names, roles, strict=True)):
+            env = {**dict(self.spec.worker_env), **self._core_share(slot, len(roles))}
+            self._spawn(name, self._worker_argv(role, secret_file), env)
         router = [sys.executable, "-m", "kvfence.serve.sglang.router_main", ARGS_ON_STDIN]
         self._spawn("sglang-router", router, stdin=subprocess.PIPE)
         if self.spec.edge:
@@ -176,6 +182,14 @@ class Stack:
             "--port",
             "0",
         ]
+
+    def _core_share(self, slot: int, slots: int) -> dict[str, str]:
+        if not self.spec.share_cores:
+            return {}
+        path = self.workdir / "cores"
+        if slot == 0:
+            CoreShareSpec.create(path, slots)
+        return CoreShareSpec(str(path), slot, slots, os.cpu_count() or 1).to_env()
 
     def _operator_keys(self) -> tuple[str, ...]:
         """The tenants file's operator keys, else a fresh one: one operator credential."""

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvfence.engine.decode import DecodeEngine
 from kvfence.engine.prefill import PrefillEngine
 from kvfence.engine.sizing import CapacityGateError
@@ -25,6 +27,7 @@ from kvfence.serve.app import create_app
 from kvfence.serve.config import Capacity, ServeConfig, decide_capacity
 from kvfence.serve.pd.spec import WorkerSpec
 from kvfence.serve.pd.workers import engine_config
+from kvfence.serve.sglang.cores import from_environment
 from kvfence.serve.sglang.decode import DecodeSide
 from kvfence.serve.sglang.gate import RouterGate
 from kvfence.serve.sglang.generate import add_generate_route
@@ -131,6 +134,7 @@ def run_sglang_worker(spec: SglangWorkerSpec, tenants: TenantRegistry) -> int:
     """Serve until SIGTERM; exit 1 when the live pool fails the capacity gate (I4)."""
     loaded = load_model(spec.worker.model_dir, kind=spec.worker.model_kind)
     side = build_side(spec, loaded)
+    side.cores = from_environment(torch.set_num_threads)  # the stack's co-located workers
     config = serve_config(spec, loaded)
     try:
         capacity = decide_capacity(config, side.stats().pools)
