@@ -36,7 +36,6 @@ from kvfence.audit.targets.base import Endpoints, NodeFacts, Target, samples_nam
 from kvfence.audit.targets.registry import detect
 
 ANSWER_TOKENS = 16
-LONG_ANSWER = {"ignore_eos": True}
 TRIALS = 5  # the first leak ends the probe; each trial waits out the long decode
 EXPIRED = "vllm:nixl_num_kv_expired_reqs"
 RUNNING = "vllm:num_requests_running"
@@ -112,7 +111,7 @@ class LeaseReuseCheck(Check):
     )
 
     def run(self, ctx: AuditContext, target: Target) -> CheckResult:
-        """quiet continuations -> X fills decode -> A waits past its lease -> B reuses A's blocks."""
+        """quiet answers -> X holds decode -> A waits past its lease -> B reuses A's block."""
         a, b = ctx.client(target, "a"), ctx.client(target, "b")
         facts = target.facts(a)
         target.configure_client(b)
@@ -161,12 +160,12 @@ class LeaseReuseCheck(Check):
                 "no quiet answer" if own_a is None or own_b is None else "equal continuations"
             )
             return None  # the pair cannot tell whose KV answered
-        # X holds a block of decode's pool for half a context of answer (EOS ignored, so it
-        # cannot end early): A, needing every block, waits there that long, many leases.
+        # X holds a block of decode's pool for half a context of answer (vLLM's ignore_eos:
+        # it cannot end early): A, needing every block, waits there that long, many leases.
         x = _draw(ctx.rng, block)
         expired0 = _expired(ctx, nodes[0])
         with ThreadPoolExecutor(max_workers=3) as pool:
-            fx = pool.submit(b.completion, x, max_tokens=context // 2, extra=LONG_ANSWER)
+            fx = pool.submit(b.completion, x, max_tokens=context // 2, extra={"ignore_eos": True})
             if not _running(ctx, nodes[1], fx):
                 skipped.append("the long decode ended before it was seen running on decode")
                 return None
