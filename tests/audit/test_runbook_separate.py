@@ -12,7 +12,7 @@ import pytest
 
 from kvfence.audit import runbook
 from kvfence.audit.base import CheckResult, Verdict
-from kvfence.audit.check_table import ALL_CHECKS, TIMED_CHECKS
+from kvfence.audit.check_table import DEFAULT_CHECKS, TIMED_CHECKS
 from kvfence.audit.client import ProbeClient
 from kvfence.audit.contract import AuditContext, Check
 from kvfence.audit.runbook import run_audit
@@ -47,7 +47,7 @@ class _Recorded(Check):
 
     def run(self, ctx: AuditContext, target: Target) -> CheckResult:
         start = time.monotonic()
-        sends = 1 + URLS.index(target.url) + ALL_CHECKS.index(self.name)
+        sends = 1 + URLS.index(target.url) + DEFAULT_CHECKS.index(self.name)
         ctx.budget.charge(sends)  # what a check's requests do, without a server
         if self.name == "canary" and self.clock.meet is not None:
             self.clock.meet.wait()  # BrokenBarrierError after 5 s if the targets do not overlap
@@ -68,7 +68,7 @@ def _audit(monkeypatch: pytest.MonkeyPatch, clock: _Clock, separate: bool) -> ru
 def test_untimed_checks_overlap_timed_ones_run_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = _Clock(meet=threading.Barrier(2, timeout=5))
     run = _audit(monkeypatch, clock, separate=True)
-    assert [r.verdict for r in run.results] == [Verdict.PASS] * 2 * len(ALL_CHECKS)
+    assert [r.verdict for r in run.results] == [Verdict.PASS] * 2 * len(DEFAULT_CHECKS)
     for url, name, start, end in clock.spans:
         if name not in TIMED_CHECKS:
             continue
@@ -85,5 +85,5 @@ def test_results_and_counts_are_the_sequential_runs(monkeypatch: pytest.MonkeyPa
 
     assert table(together) == table(in_turn)
     assert [(t.url, t.error is not None) for t in together.targets] == [(u, True) for u in URLS]
-    want = sum(1 + i + j for i in range(len(URLS)) for j in range(len(ALL_CHECKS)))
+    want = sum(1 + i + j for i in range(len(URLS)) for j in range(len(DEFAULT_CHECKS)))
     assert together.requests_sent == in_turn.requests_sent == want

@@ -1,7 +1,8 @@
 """The runbook's checks, in the order it runs them: each name with the class that runs it.
 
-Order: capacity → boundary → canary → noninterference → latency → prefix_sharing →
-counters (compare; its snapshot is taken first) → transfer_reference.
+Order: capacity → boundary → canary → lease_reuse (asked for by name only) →
+noninterference → latency → prefix_sharing → counters (compare; its snapshot is taken
+first, so the leases lease_reuse let run out show there) → transfer_reference.
 
 Each class is imported when its check is first loaded, not with this module: the
 statistical checks pull in scipy (a second or more on a busy machine), and a check
@@ -35,6 +36,12 @@ def _canary() -> type[Check]:
     from kvfence.audit.checks.canary.check import CanaryCheck
 
     return CanaryCheck
+
+
+def _lease_reuse() -> type[Check]:
+    from kvfence.audit.checks.canary.lease_reuse import LeaseReuseCheck
+
+    return LeaseReuseCheck
 
 
 def _noninterference() -> type[Check]:
@@ -72,6 +79,7 @@ CHECKS: tuple[tuple[str, CheckLoader], ...] = (
     ("capacity", _capacity),
     ("boundary", _boundary),
     ("canary", _canary),
+    ("lease_reuse", _lease_reuse),
     ("noninterference", _noninterference),
     ("latency", _latency),
     ("prefix_sharing", _prefix_sharing),
@@ -79,11 +87,17 @@ CHECKS: tuple[tuple[str, CheckLoader], ...] = (
     ("transfer_reference", _transfer_reference),
 )
 ALL_CHECKS: tuple[str, ...] = tuple(name for name, _ in CHECKS)
+# Checks run only when `--checks` names them. lease_reuse fills a P/D fleet's pools with
+# long decodes for minutes to make leases run out, it can prove a leak but never a pass
+# (INCONCLUSIVE otherwise, which would block every deploy it ran in), and it needs a
+# router that lists its prefill and decode nodes.
+OPT_IN_CHECKS: tuple[str, ...] = ("lease_reuse",)
+DEFAULT_CHECKS: tuple[str, ...] = tuple(n for n in ALL_CHECKS if n not in OPT_IN_CHECKS)
 # The main job's checks: its two targets are kvfence's hub, which makes every transfer room
 # itself and refuses a client's transfer fields (vLLM's or SGLang's) with a 400, lab switch
 # or not: transfer_reference passes on both and tells the demo nothing (its lab proof is the
 # sglang-router stack under `decode-trusts-bootstrap`).
-EMBEDDED_CHECKS: tuple[str, ...] = tuple(n for n in ALL_CHECKS if n != "transfer_reference")
+EMBEDDED_CHECKS: tuple[str, ...] = tuple(n for n in DEFAULT_CHECKS if n != "transfer_reference")
 # Checks that never overlap any other audit traffic: latency and prefix sharing test
 # durations (TTFT), and noninterference's verdict rests on how A's load interleaves with
 # B's repeats (on the demo's lab, 9 of 10 repeats must land on A's data; with another

@@ -27,7 +27,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvfence.audit import report
 from kvfence.audit.base import DEFAULT_ALPHA, DEFAULT_HEADROOM, Budget, CheckResult
-from kvfence.audit.check_table import ALL_CHECKS, EMBEDDED_CHECKS
+from kvfence.audit.check_table import ALL_CHECKS, DEFAULT_CHECKS, EMBEDDED_CHECKS, OPT_IN_CHECKS
 from kvfence.audit.contract import AuditContext
 from kvfence.audit.key_options import key_a_option, key_b_option, operator_key_option
 from kvfence.audit.runbook import AuditRun, run_audit
@@ -41,7 +41,7 @@ from kvfence.extras import MISSING_EXTRA_EXIT, engine_missing
 EMBEDDED_HOOK = "kvfence.audit.embedded:audit_embedded"
 
 
-def _parse_checks(value: str | None, default: tuple[str, ...] = ALL_CHECKS) -> tuple[str, ...]:
+def _parse_checks(value: str | None, default: tuple[str, ...] = DEFAULT_CHECKS) -> tuple[str, ...]:
     if not value:
         return default
     names = tuple(n.strip().replace("-", "_") for n in value.split(",") if n.strip())
@@ -92,7 +92,12 @@ class _AuditGroup(click.Group):
 @key_a_option
 @key_b_option
 @operator_key_option
-@click.option("--checks", default=None, help=f"comma-separated subset of: {', '.join(ALL_CHECKS)}")
+@click.option(
+    "--checks",
+    default=None,
+    help=f"comma-separated subset of: {', '.join(ALL_CHECKS)} "
+    f"(default: all but {', '.join(OPT_IN_CHECKS)}, which run only when named)",
+)
 @click.option(
     "--worker",
     "workers",
@@ -147,7 +152,7 @@ def audit(
     """Audit engines for cross-tenant leaks: exit 0 pass, 1 fail, 2 inconclusive."""
     if ctx.invoked_subcommand is not None:
         return
-    names = _parse_checks(checks, ALL_CHECKS if targets else EMBEDDED_CHECKS)
+    names = _parse_checks(checks, DEFAULT_CHECKS if targets else EMBEDDED_CHECKS)
     if headroom < 1.0:
         raise click.UsageError(f"--headroom must be >= 1, got {headroom}")
     if context is not None and context <= 0:

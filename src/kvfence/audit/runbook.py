@@ -28,7 +28,13 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
 from kvfence.audit.base import STATISTICAL_CHECKS, Budget, CheckResult, JSONValue, Verdict
-from kvfence.audit.check_table import ALL_CHECKS, TIMED_CHECKS, CheckUnavailable, load_check
+from kvfence.audit.check_table import (
+    ALL_CHECKS,
+    DEFAULT_CHECKS,
+    TIMED_CHECKS,
+    CheckUnavailable,
+    load_check,
+)
 from kvfence.audit.checks.counters.check import CountersCheck
 from kvfence.audit.contract import AuditContext, Check, run_check
 from kvfence.audit.run_record import AuditRun, TargetSummary
@@ -51,7 +57,7 @@ def run_audit(
     ctx: AuditContext,
     *,
     engine: str = "auto",
-    checks: Sequence[str] = ALL_CHECKS,
+    checks: Sequence[str] = DEFAULT_CHECKS,
     on_result: Callable[[CheckResult], None] | None = None,
     separate_targets: bool = False,
 ) -> AuditRun:
@@ -286,7 +292,7 @@ def audit_server(
     key_b: str | None,
     *,
     engine: str = "kvfence",
-    checks: Sequence[str] = ALL_CHECKS,
+    checks: Sequence[str] = DEFAULT_CHECKS,
     headroom: float = 1.25,
     seed: int = 0,
     budget: Budget | None = None,
