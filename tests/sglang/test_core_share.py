@@ -5,7 +5,7 @@ the other goes idle, every core again. The scoreboard is a real shared file, rea
 through two `CoreShare` views as the two worker processes do, and the thread counts are what
 each view asks its engine thread to set. Cores that other work on the host keeps busy are
 not taken (the runnable count is the test's). The stack gives each worker its own byte of
-one board, and none when sharing is off.
+one board when asked to, and none by default.
 """
 
 from __future__ import annotations
@@ -88,12 +88,14 @@ def test_the_spec_travels_in_the_environment_and_a_bad_one_is_named() -> None:
 
 
 def test_the_stack_gives_each_worker_its_own_byte_of_one_board(tmp_path: Path) -> None:
-    spec = StackSpec(("--model", "m"), tmp_path / "tenants.json", n_prefill=1, n_decode=2)
+    spec = StackSpec(
+        ("--model", "m"), tmp_path / "tenants.json", n_prefill=1, n_decode=2, share_cores=True
+    )
     stack = Stack(spec, workdir=tmp_path)
     envs = [stack._core_share(slot, 3) for slot in range(3)]
     specs = [CoreShareSpec.from_env(env) for env in envs]
     assert [s.slot for s in specs if s is not None] == [0, 1, 2]
     assert {s.path for s in specs if s is not None} == {str(tmp_path / "cores")}
     assert (tmp_path / "cores").read_bytes() == bytes(3)  # nobody stepping yet
-    fixed = Stack(StackSpec(("--model", "m"), tmp_path / "t.json", share_cores=False), tmp_path)
-    assert fixed._core_share(0, 2) == {}
+    fixed = Stack(StackSpec(("--model", "m"), tmp_path / "t.json"), tmp_path)
+    assert fixed._core_share(0, 2) == {}  # off unless asked for
