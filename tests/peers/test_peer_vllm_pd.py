@@ -20,6 +20,10 @@ from bench.peers.pd_fleet import VllmPdFleet, start_vllm_pd
 from peer_helpers import PEER_TIMEOUT
 
 from kvfence.audit.base import Budget, CheckResult, Verdict
+from kvfence.audit.checks.boundary.check import BoundaryCheck
+from kvfence.audit.checks.canary.check import CanaryCheck
+from kvfence.audit.checks.capacity.check import CapacityCheck
+from kvfence.audit.checks.counters.check import CountersCheck
 from kvfence.audit.checks.transfer_reference.check import TransferReferenceCheck
 from kvfence.audit.contract import AuditContext, run_check
 from kvfence.audit.targets.registry import detect
@@ -105,6 +109,47 @@ def test_a_poisoned_prefix_reaches_honest_requests_through_the_router(
     assert poisoned, why
     # No reference in these requests: the foreign KV came out of decode's prefix cache.
     assert poisoned["public"]["verdict"] == "leak", why
+
+
+def test_the_runbook_reads_each_node_of_the_fleet(vllm_pd: VllmPdFleet) -> None:
+    """Capacity, boundary, canary and counters on the live fleet, through vllm-router: the
+    facts come from the prefill and decode servers the router lists, each with its source."""
+    ctx = AuditContext(key_a="tenant-a", key_b="tenant-b", budget=Budget(400, 600))
+    counters = CountersCheck()
+    with ctx.open():
+        target = detect(vllm_pd.url, ctx.client_for_url(vllm_pd.url, "a"))
+        counters.snapshot(ctx, target)
+        results = {
+            c.name: run_check(c, ctx, target)
+            for c in (CapacityCheck(), BoundaryCheck(), CanaryCheck())
+        }
+        results["counters"] = run_check(counters, ctx, target)
+    capacity, boundary = results["capacity"], results["boundary"]
+    # The pool is the prefill node's, read from its own metrics (16 blocks of 128 tokens).
+    assert capacity.verdict is Verdict.PASS, capacity.summary
+    pool = capacity.evidence["pool_tokens"]
+    assert isinstance(pool, dict) and pool["value"] == 16 * 128, pool
+    assert f"kv_cache_size_tokens on {vllm_pd.prefill.url}" in str(pool["source"]), pool
+    assert "vLLM 0.32.0" in str(pool["note"])  # decided by the version's own rules
+    # The input limit, from the nodes the router lists: accepted at it, refused past it.
+    assert boundary.verdict is Verdict.PASS, boundary.summary
+    statuses = {r["rung"]: r["status"] for r in boundary.evidence["rungs"]}
+    assert statuses["at limit"] == 200 and statuses["limit + 1"] == 400, statuses
+    assert results["canary"].verdict is Verdict.PASS, results["canary"].summary
+    # The NIXL failure counters are read on both servers; a move is a FAIL that says what
+    # the counter means (an expired lease, a read after it), never a silent pass.
+    counters = results["counters"]
+    rows = counters.evidence["counters"]
+    assert isinstance(rows, list)
+    read = {r["counter"] for r in rows}
+    for server in (vllm_pd.prefill, vllm_pd.decode):
+        assert f"{server.url} vllm:nixl_num_notifications_after_expiry" in read, read
+    moved = [r for r in rows if r["before"] != r["after"]]
+    assert (counters.verdict is Verdict.FAIL) == bool(moved), (counters.summary, moved)
+    if any("after_expiry" in r["counter"] for r in moved):
+        assert "decode finished reading blocks whose lease had already run out" in (
+            counters.summary
+        )
 
 
 def test_a_single_vllm_hands_out_no_reference(vllm_peer: PeerServer) -> None:
