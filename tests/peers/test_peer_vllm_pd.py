@@ -88,12 +88,16 @@ def test_decode_serves_b_from_a_reference_and_the_router_holds(vllm_pd: VllmPdFl
     why = _explain(res, vllm_pd)
     assert res.verdict is Verdict.FAIL, why
     live = _outcomes(res, "live")
-    # The decode server the router lists: B's prompt answered from A's KV (A's continuation,
-    # or A's past the point where B's differs before a greedy near-tie broke another way).
+    # The decode server the router lists: B's prompt answered, 200, from KV that is not B's.
+    # Here that is A's continuation ("leak": A's, or A's past the point where B's differs
+    # before a greedy near-tie broke another way). Where decode's kernels read the pages
+    # unlike prefill wrote them, the text may follow neither ("foreign"): still not B's
+    # own, and the same FAIL.
     decode = live["decode"]
-    assert decode["status"] == 200 and decode["verdict"] == "leak", why
-    assert decode["answer"] != decode["own_continuations"]["B"]
-    assert decode["answer"][:4] == decode["own_continuations"]["A"][:4], why
+    assert decode["status"] == 200 and decode["verdict"] in ("leak", "foreign"), why
+    assert decode["answer"] != decode["own_continuations"]["B"], why
+    if decode["verdict"] == "leak":
+        assert decode["answer"][:4] == decode["own_continuations"]["A"][:4], why
     assert vllm_pd.decode.url.split("//")[1] in res.summary  # the leaking route is named
     # Through vllm-router the client's reference is overwritten: B gets its own answer.
     assert live["public"]["verdict"] == "own", why
