@@ -154,7 +154,12 @@ def _read_lines(proc: subprocess.Popen[str], into: list[str]) -> None:
 def _check(idle: float, attacked: float, answers: list[str], expected: str, what: str) -> None:
     print(f"victim TTFT p50: idle {idle:.1f} ms, {what} {attacked:.1f} ms; "
           f"{len(answers)} attacks answered; load {os.getloadavg()[0]:.1f}")  # fmt: skip
-    assert answers and set(answers) == {expected}, set(answers)
+    # Every attack is refused with the expected status. The code is read from the body the
+    # attacker received; a refusal mid-upload can reach it without a readable body (a bare
+    # status), which is still the refusal, so the code is required of the others only.
+    status = expected.split(" ")[0]
+    assert answers and {a.split(" ")[0] for a in answers} == {status}, set(answers)
+    assert set(answers) <= {expected, status} and expected in answers, set(answers)
     assert attacked <= 2 * idle, f"p50 {attacked:.1f} ms {what} vs {idle:.1f} ms idle"
 
 
