@@ -38,7 +38,7 @@ from kvfence.engine.pipeline import CollectingSink, LocalPipeline
 from kvfence.engine.prefill_order import PrefillOrder
 from kvfence.model.loader import LoadedModel, load_model
 from kvfence.model.tiny import PRESETS, default_checkpoint_dir
-from kvfence.serve.transfer.link import inprocess_link
+from kvfence.transfer.link import inprocess_link
 
 BASELINE = "2048/arrival"
 

@@ -65,7 +65,7 @@ from kvfence.model.linear_cpu import CPULinear
 from kvfence.model.loader import load_model
 from kvfence.model.step_checks import StepChecks
 from kvfence.model.tiny import make_tiny_checkpoint
-from kvfence.serve.transfer.link import inprocess_link
+from kvfence.transfer.link import inprocess_link
 
 
 class TimedModel(torch.nn.Module):

@@ -41,7 +41,7 @@ from kvfence.engine.messages import SamplingParams
 from kvfence.engine.pipeline import CollectingSink, LocalPipeline
 from kvfence.model.loader import load_model
 from kvfence.model.tiny import make_tiny_checkpoint
-from kvfence.serve.transfer.link import inprocess_link
+from kvfence.transfer.link import inprocess_link
 torch.manual_seed(0)
 with tempfile.TemporaryDirectory() as d:
     make_tiny_checkpoint(d, preset=preset)

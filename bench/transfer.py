@@ -16,7 +16,7 @@ of a few repetitions:
             happen during the transfer. TCP checksums each MiB as it lands; shared
             memory (4 MiB chunks), Mooncake and NIXL (16 MiB) write in chunks and
             decode checksums each chunk of its own pages as the sender's P frame
-            says it is written (serve/transfer/granted.py), while the next chunk
+            says it is written (transfer/granted.py), while the next chunk
             is written; the end reads the last chunk, inside the transfer's time
   verified  payload bytes / (transfer + recon), best of: the end-to-end rate at
             which KV becomes decodable, the figure that cannot be gamed by moving
@@ -43,8 +43,8 @@ from kvfence.engine.prefill import OutboundTransfer
 from kvfence.engine.reconcile import Reservation, payload_checksum, reconcile
 from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import KVPool
-from kvfence.serve.transfer import Landed, framing, get_transport
-from kvfence.serve.transfer.listener import tune
+from kvfence.transfer import Landed, framing, get_transport
+from kvfence.transfer.listener import tune
 
 SEED = 1234
 GEOM = KVGeometry(num_layers=32, num_kv_heads=8, head_dim=128, page_size=16, dtype="bfloat16")

@@ -11,7 +11,7 @@ switches are set solely through explicit lab configuration (``kvfence lab`` or
 
 The lab's holds travel the same way: ``hold=FOLDER`` turns no defence off, it
 lets a test park a granted KV transfer and decode's step at an exact point
-(serve/transfer/lab_holds.py), so no lab hook is switched any other way.
+(transfer/lab_holds.py), so no lab hook is switched any other way.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Layers import one way: faults <- kv <- model <- engine <- serve / lab <- cli.
+"""Layers import one way: faults <- kv <- model <- engine <- transfer <- serve / lab <- cli.
 
 The audit sits beside them and reaches engines over HTTP only
 (tests/audit/test_audit_http_only.py). Every import counts, lazy ones inside a
@@ -21,12 +21,14 @@ SRC = Path(kvfence.__file__).parent
 UPWARD = ("kvfence.serve", "kvfence.lab", "kvfence.audit", "kvfence.cli", "kvfence.watch")
 NETWORK = ("zmq", "socket", "http", "urllib", "requests", "fastapi", "uvicorn", "aiohttp", "httpx")
 ENGINE_SIDE = ("kvfence.kv", "kvfence.model", "kvfence.engine", "kvfence.serve", "kvfence.lab")
-ENGINE_SIDE += ("kvfence.cli", "kvfence.watch", "torch")
+ENGINE_SIDE += ("kvfence.transfer", "kvfence.cli", "kvfence.watch", "torch")
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "faults.py": ("kvfence", "torch", *NETWORK),
-    "kv": ("kvfence.model", "kvfence.engine", *UPWARD, *NETWORK),
-    "model": ("kvfence.engine", *UPWARD, *NETWORK),
-    "engine": (*UPWARD, *NETWORK),
+    "kv": ("kvfence.model", "kvfence.engine", "kvfence.transfer", *UPWARD, *NETWORK),
+    "model": ("kvfence.engine", "kvfence.transfer", *UPWARD, *NETWORK),
+    "engine": ("kvfence.transfer", *UPWARD, *NETWORK),
+    # The transports move pages between pools: sockets yes, HTTP edge, lab and audit no.
+    "transfer": UPWARD,
     # serve sits under the lab (which drives it) and the top-level CLI (which wires both).
     "serve": ("kvfence.lab", "kvfence.cli"),
     "lab": ("kvfence.cli",),

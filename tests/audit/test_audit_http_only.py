@@ -11,7 +11,7 @@ import pytest
 import kvfence.audit
 import kvfence.watch
 
-FORBIDDEN = ("kvfence.engine", "kvfence.model", "kvfence.serve", "kvfence.lab")
+FORBIDDEN = ("kvfence.engine", "kvfence.model", "kvfence.transfer", "kvfence.serve", "kvfence.lab")
 
 
 @pytest.mark.parametrize(("package", "min_files"), [(kvfence.audit, 10), (kvfence.watch, 4)])

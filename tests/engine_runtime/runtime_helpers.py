@@ -15,7 +15,7 @@ from kvfence.model.base import CausalLM
 from kvfence.model.config import ModelConfig
 from kvfence.model.loader import load_model
 from kvfence.model.tiny import make_tiny_checkpoint
-from kvfence.serve.transfer.link import inprocess_link
+from kvfence.transfer.link import inprocess_link
 
 PAGE = 16
 

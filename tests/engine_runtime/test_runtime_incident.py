@@ -19,7 +19,7 @@ from kvfence.engine.pipeline import LocalPipeline
 from kvfence.engine.prefill import OutboundTransfer
 from kvfence.faults import Fault, FaultSet
 from kvfence.kv.pool import KVPool
-from kvfence.serve.transfer.link import TransportLink
+from kvfence.transfer.link import TransportLink
 
 SENTINEL = list(range(300, 360))  # tenant A's 60 tokens: fits the 64-token prefill pool
 OVERLONG = list(range(100, 200))  # tenant B's 100 tokens: over the prefill pool

@@ -31,7 +31,7 @@ from kvfence.engine.pipeline import LocalPipeline, Result
 from kvfence.faults import POISON_SEED, Fault, FaultSet
 from kvfence.model.loader import load_model
 from kvfence.model.tiny import make_tiny_checkpoint
-from kvfence.serve.transfer.link import inprocess_link
+from kvfence.transfer.link import inprocess_link
 
 PROMPTS = {"a0": [5, 6, 7], "b0": [8, 9, 10, 11], "b1": [12, 13], "b2": [14, 15, 16, 17, 18]}
 POISONED = "a-poisoned"

@@ -11,7 +11,7 @@ from kvfence.engine.config import EngineConfig
 from kvfence.engine.messages import Failure, TokenChunk
 from kvfence.engine.pipeline import CollectingSink, LocalPipeline
 from kvfence.engine.threads import keep_one_for_engine
-from kvfence.serve.transfer.link import inprocess_link
+from kvfence.transfer.link import inprocess_link
 
 
 class _ThreadsSeen(CollectingSink):

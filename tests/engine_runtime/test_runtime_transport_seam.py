@@ -1,6 +1,6 @@
 """The embedded default (`kvfence serve`, one process) runs the KV transport contract.
 
-Its KV goes through `serve.transfer`'s in-process transport behind the
+Its KV goes through `transfer`'s in-process transport behind the
 engine's `KVLink` seam: the receiver grants a room before any write, decode
 reconciles the manifest (I3), and released pages wait until the transport
 confirms (I7). The `decode-trusts-bootstrap` and `early-free` switches break
@@ -23,9 +23,9 @@ from kvfence.engine.prefill import OutboundTransfer
 from kvfence.engine.request import RequestState
 from kvfence.faults import Fault, FaultSet
 from kvfence.kv.pool import KVPool
-from kvfence.serve.transfer.base import InPlaceSender
-from kvfence.serve.transfer.inprocess import InProcessReceiver
-from kvfence.serve.transfer.link import TransportLink, inprocess_link
+from kvfence.transfer.base import InPlaceSender
+from kvfence.transfer.inprocess import InProcessReceiver
+from kvfence.transfer.link import TransportLink, inprocess_link
 
 MARKER = 7.0  # another owner's own KV
 

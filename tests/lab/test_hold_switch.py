@@ -24,10 +24,10 @@ from kvfence.engine.reconcile import Reservation
 from kvfence.faults import Fault, FaultSet
 from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import KVPool
-from kvfence.serve.transfer import Landed
-from kvfence.serve.transfer.lab_holds import LabHold
-from kvfence.serve.transfer.registry import get_transport
-from kvfence.serve.transfer.senders import Senders
+from kvfence.transfer import Landed
+from kvfence.transfer.lab_holds import LabHold
+from kvfence.transfer.registry import get_transport
+from kvfence.transfer.senders import Senders
 
 GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
 TOKENS = 10  # three pages of 4, the last one partly filled

@@ -53,7 +53,7 @@ from kvfence.model.loader import load_model
 from kvfence.serve.app import create_app
 from kvfence.serve.build import PoolSizes, build_local
 from kvfence.serve.tenants import TenantRegistry
-from kvfence.serve.transfer.link import inprocess_link
+from kvfence.transfer.link import inprocess_link
 
 pytestmark = pytest.mark.slow  # real servers on loopback
 

@@ -9,7 +9,7 @@ import zmq
 
 from kvfence.engine.messages import PageRef, TransferManifest
 from kvfence.serve.channel import Inbox, Waker
-from kvfence.serve.transfer.rooms import RoomBook
+from kvfence.transfer.rooms import RoomBook
 
 
 def test_a_set_waker_ends_the_wait_and_is_cleared() -> None:

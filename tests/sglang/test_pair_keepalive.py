@@ -36,7 +36,7 @@ from kvfence.model.loader import load_model
 from kvfence.serve.pd.spec import WorkerSpec
 from kvfence.serve.pd.workers import engine_config
 from kvfence.serve.sglang.decode import DecodeSide
-from kvfence.serve.transfer.registry import get_transport
+from kvfence.transfer.registry import get_transport
 
 WAIT_S = 2.0
 

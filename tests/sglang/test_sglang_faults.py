@@ -1,7 +1,7 @@
 """Faults on the real PD stack: sglang-router in front, Mooncake / NIXL moving the KV.
 
 A transfer is caught "mid-transfer" with the lab's grant hold
-(`serve/transfer/lab_holds.py`, switched by `--lab-fault hold=FOLDER`): the prefill worker
+(`transfer/lab_holds.py`, switched by `--lab-fault hold=FOLDER`): the prefill worker
 that has just been granted decode's pages (I7: they are inbound) parks before
 its engine writes a byte and says so with a file naming its pid; the test
 then kills or freezes exactly that process. The freeze case also holds

@@ -15,7 +15,7 @@ from kvfence.engine.messages import TransferDone
 from kvfence.engine.reconcile import Reservation, payload_checksum, reconcile
 from kvfence.faults import FaultSet
 from kvfence.kv.pool import KVPool
-from kvfence.serve.transfer import Event, Landed
+from kvfence.transfer import Event, Landed
 
 CTX = multiprocessing.get_context("spawn")
 DEADLINE_S = 60.0  # a hang guard, not a timing assertion

@@ -18,7 +18,7 @@ from kvfence.engine.messages import PageRef, TransferManifest
 from kvfence.engine.reconcile import byte_views, payload_checksum
 from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import KVPool, PageHandle
-from kvfence.serve.transfer.layout import ChecksumCursor, receive_layout
+from kvfence.transfer.layout import ChecksumCursor, receive_layout
 
 GEOM = KVGeometry(num_layers=3, num_kv_heads=2, head_dim=4, page_size=4)
 TOKENS = 30  # 8 pages, the last holding 2 tokens

@@ -16,7 +16,7 @@ from test_transports import job, landed_bytes_equal_source
 from transfer_children import GEOM, PROMPT
 
 from kvfence.engine.reconcile import TransferMismatch
-from kvfence.serve.transfer.granted import chunked
+from kvfence.transfer.granted import chunked
 
 pytestmark = pytest.mark.slow
 

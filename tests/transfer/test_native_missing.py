@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfence.serve.transfer.native import missing_native
+from kvfence.transfer.native import missing_native
 
 BROKEN = (
     "raise ImportError('libibverbs.so.1: cannot open shared object file: No such file or "

@@ -12,7 +12,7 @@ from test_transports import job
 from kvfence.engine.messages import Abort, PageRef, TransferManifest, encode_message
 from kvfence.engine.reconcile import TransferMismatch
 from kvfence.kv.pool import IsolationViolation
-from kvfence.serve.transfer import (
+from kvfence.transfer import (
     KVTransport,
     TransportRegistry,
     builtin_registry,
@@ -20,7 +20,7 @@ from kvfence.serve.transfer import (
     get_transport,
     transport_names,
 )
-from kvfence.serve.transfer.inprocess import InProcessTransport
+from kvfence.transfer.inprocess import InProcessTransport
 
 
 def raw_tcp(address: str) -> socket.socket:

@@ -23,11 +23,11 @@ from kvfence.engine.messages import PageRef, encode_message
 from kvfence.engine.prefill import OutboundTransfer
 from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import KVPool, PageHandle
-from kvfence.serve.transfer import TransferRefused, framing, get_transport
-from kvfence.serve.transfer.base import InPlaceSender, KVSender, KVTransport
-from kvfence.serve.transfer.granted import GrantedSender
-from kvfence.serve.transfer.layout import Outgoing, PoolShape
-from kvfence.serve.transfer.shm import ShmSender
+from kvfence.transfer import TransferRefused, framing, get_transport
+from kvfence.transfer.base import InPlaceSender, KVSender, KVTransport
+from kvfence.transfer.granted import GrantedSender
+from kvfence.transfer.layout import Outgoing, PoolShape
+from kvfence.transfer.shm import ShmSender
 
 GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
 PROMPT = 30  # tokens: 8 pages of 4, the last one partly filled

@@ -11,7 +11,7 @@ from kvfence.kv.pool import KVPool
 class InboundWindow(Protocol):
     """Opens and closes the window in which a transfer may land in reserved pages (I7).
 
-    A transport's receiver (`serve.transfer.KVReceiver`) is one; `PoolInbound`
+    A transport's receiver (`transfer.KVReceiver`) is one; `PoolInbound`
     is the default for transports that tell decode directly (`inbound_closed`).
     """
 

@@ -1,7 +1,7 @@
 """The engine's side of the KV transport seam: what the in-process pipeline needs from a transport.
 
-The engine defines this seam and never implements it. `serve.transfer`
-implements it over any `KVTransport` (`serve.transfer.link.TransportLink`;
+The engine defines this seam and never implements it. `transfer`
+implements it over any `KVTransport` (`transfer.link.TransportLink`;
 the embedded default is the in-process transport), so single-process
 serving runs the same contract as TCP and shared memory: the receiver grants
 the room before a byte is written, the manifest travels with the payload,
@@ -27,7 +27,7 @@ TRANSFER_INCOMPLETE = "KV transfer did not complete (sender gone or transfer ref
 
 
 class Arrival(Protocol):
-    """A payload that landed in decode's pages (`serve.transfer.Landed`).
+    """A payload that landed in decode's pages (`transfer.Landed`).
 
     `checksum` is what the receiver measured as the bytes landed, or None when
     the sender wrote in place: then decode checksums its own pages.

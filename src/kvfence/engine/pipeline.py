@@ -87,7 +87,7 @@ class LocalPipeline:
         from kvfence.engine.pipeline import CollectingSink, LocalPipeline
         from kvfence.model.loader import load_model
         from kvfence.engine.backend import GenerateWork
-        from kvfence.serve.transfer.link import inprocess_link
+        from kvfence.transfer.link import inprocess_link
 
         loaded = load_model(checkpoint_dir, kind="mirror")
         geometry = loaded.config.kv_geometry(page_size=16)
@@ -103,7 +103,7 @@ class LocalPipeline:
 
     `submit` and `abort` are thread-safe and never block on the model; events
     reach the sink from the engine thread. `kv_link` makes the transport from
-    decode's pool; the engine only defines the seam (serve.transfer fills it).
+    decode's pool; the engine only defines the seam (transfer fills it).
     `torch_threads` (0: torch's setting) are the engine thread's intra-op threads; a
     server builds with one and gives the rest here (engine/threads.py says why).
     """

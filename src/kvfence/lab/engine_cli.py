@@ -129,7 +129,7 @@ def matrix(
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--also-fault") from None
     if topology != "single":
-        from kvfence.serve.transfer.native import missing_native
+        from kvfence.transfer.native import missing_native
 
         if (missing := missing_native(transport)) is not None:
             raise click.UsageError(missing)

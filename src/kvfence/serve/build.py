@@ -22,8 +22,8 @@ from kvfence.kv.pool import ScrubPolicy
 from kvfence.model.loader import LoadedModel, load_model
 from kvfence.serve.config import ServeConfig
 from kvfence.serve.pool_sizing import ROLES, PoolSizes, available_memory_bytes
-from kvfence.serve.transfer.inprocess import InProcessTransport
-from kvfence.serve.transfer.link import inprocess_link
+from kvfence.transfer.inprocess import InProcessTransport
+from kvfence.transfer.link import inprocess_link
 
 SHARED_NAMESPACE = "shared"
 

@@ -245,7 +245,7 @@ def serve(**given: Any) -> None:
         _serve_local(options, tenants)
         return
     from kvfence.serve.pd.cli import pd_main
-    from kvfence.serve.transfer.native import missing_native
+    from kvfence.transfer.native import missing_native
 
     if (missing := missing_native(options.transport)) is not None:
         raise click.UsageError(missing)

@@ -50,8 +50,8 @@ from kvfence.model.loader import LoadedModel, load_model
 from kvfence.serve.channel import Inbox, Outbox, Waker
 from kvfence.serve.pd.spec import WorkerSpec
 from kvfence.serve.pool_sizing import PoolSizes, available_memory_bytes
-from kvfence.serve.transfer.registry import get_transport
-from kvfence.serve.transfer.senders import Senders
+from kvfence.transfer.registry import get_transport
+from kvfence.transfer.senders import Senders
 
 log = logging.getLogger(__name__)
 

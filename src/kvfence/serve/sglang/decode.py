@@ -35,8 +35,8 @@ from kvfence.engine.routing import Room, Rooms, Stage
 from kvfence.faults import FaultSet
 from kvfence.kv.pool import PageHandle
 from kvfence.serve.sglang.side import PAIR_TIMEOUT_S, Cancel, PairSide, Reject, Submit
-from kvfence.serve.transfer.base import KVReceiver
-from kvfence.serve.transfer.lab_holds import LabHold
+from kvfence.transfer.base import KVReceiver
+from kvfence.transfer.lab_holds import LabHold
 
 
 class DecodeSide(PairSide):

@@ -6,7 +6,7 @@ this side's own request for the room comes through its HTTP edge. A room is
 prefilled only when both halves are here and agree: same tenant (the room is
 bound to the tenant both workers authenticated, I9) and same prompt length
 (I3 starts before a byte moves). Prefill writes only into the pages decode
-granted (the transport's grant, serve/transfer/granted.py).
+granted (the transport's grant, transfer/granted.py).
 
 Refusals travel at once, with the original error, both ways: this edge's
 refusal (`reject`) and the engine's (an over-pool prompt, I2: REJECTED is
@@ -44,9 +44,9 @@ from kvfence.serve.sglang.side import (
     Reject,
     Submit,
 )
-from kvfence.serve.transfer.base import KVTransport
-from kvfence.serve.transfer.lab_holds import LabHold
-from kvfence.serve.transfer.senders import Senders
+from kvfence.transfer.base import KVTransport
+from kvfence.transfer.lab_holds import LabHold
+from kvfence.transfer.senders import Senders
 
 
 @dataclass(slots=True)

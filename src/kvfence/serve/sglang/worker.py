@@ -36,8 +36,8 @@ from kvfence.serve.sglang.routing import WorkerRouter
 from kvfence.serve.sglang.side import PairSide
 from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.thread import bind, serve_forever, url_of
-from kvfence.serve.transfer.lab_holds import LabHold
-from kvfence.serve.transfer.registry import get_transport
+from kvfence.transfer.lab_holds import LabHold
+from kvfence.transfer.registry import get_transport
 
 ANNOUNCE = "KVFENCE_SGLANG_WORKER "
 EXIT_GATE = 1

@@ -11,8 +11,8 @@ import dataclasses
 
 from kvfence.engine.reconcile import byte_views
 from kvfence.kv.pool import KVPool
-from kvfence.serve.transfer.base import InPlaceSender, KVReceiver, KVTransport, TransferRefused
-from kvfence.serve.transfer.layout import Outgoing, PoolShape, copy_runs_into
+from kvfence.transfer.base import InPlaceSender, KVReceiver, KVTransport, TransferRefused
+from kvfence.transfer.layout import Outgoing, PoolShape, copy_runs_into
 
 
 class InProcessReceiver(KVReceiver):

@@ -42,10 +42,10 @@ from typing import Any
 from kvfence.engine.messages import MessageError, TransferManifest, decode_message, encode_message
 from kvfence.engine.reconcile import StreamChecksum, byte_views
 from kvfence.kv.pool import KVPool
-from kvfence.serve.transfer import framing
-from kvfence.serve.transfer.base import InPlaceSender, TransferRefused, TransportClosed
-from kvfence.serve.transfer.layout import ChecksumCursor, Outgoing, PoolShape, receive_layout
-from kvfence.serve.transfer.listener import ListeningReceiver, tune
+from kvfence.transfer import framing
+from kvfence.transfer.base import InPlaceSender, TransferRefused, TransportClosed
+from kvfence.transfer.layout import ChecksumCursor, Outgoing, PoolShape, receive_layout
+from kvfence.transfer.listener import ListeningReceiver, tune
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 16 << 20  # the engines write this much per chunk; 0 = the whole room at once

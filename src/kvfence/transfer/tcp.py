@@ -19,10 +19,10 @@ import socket
 from kvfence.engine.messages import MessageError, TransferManifest, decode_message, encode_message
 from kvfence.engine.reconcile import StreamChecksum, byte_views, payload_bytes
 from kvfence.kv.pool import KVPool
-from kvfence.serve.transfer import framing
-from kvfence.serve.transfer.base import KVSender, KVTransport, TransportClosed
-from kvfence.serve.transfer.layout import Outgoing, PoolShape, receive_layout
-from kvfence.serve.transfer.listener import ListeningReceiver, tune
+from kvfence.transfer import framing
+from kvfence.transfer.base import KVSender, KVTransport, TransportClosed
+from kvfence.transfer.layout import Outgoing, PoolShape, receive_layout
+from kvfence.transfer.listener import ListeningReceiver, tune
 
 log = logging.getLogger(__name__)
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from kvfence.engine.prefill import OutboundTransfer
 from kvfence.kv.pool import KVPool
-from kvfence.serve.transfer.base import (
+from kvfence.transfer.base import (
     InPlaceSender,
     KVSender,
     KVTransport,
     TransferRefused,
     TransportClosed,
 )
-from kvfence.serve.transfer.lab_holds import LabHold
+from kvfence.transfer.lab_holds import LabHold
 
 
 class Senders:

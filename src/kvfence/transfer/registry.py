@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvfence.serve.transfer.base import KVTransport
-from kvfence.serve.transfer.inprocess import InProcessTransport
-from kvfence.serve.transfer.mooncake import MooncakeTransport
-from kvfence.serve.transfer.nixl import NixlTransport
-from kvfence.serve.transfer.shm import ShmTransport
-from kvfence.serve.transfer.tcp import TcpTransport
+from kvfence.transfer.base import KVTransport
+from kvfence.transfer.inprocess import InProcessTransport
+from kvfence.transfer.mooncake import MooncakeTransport
+from kvfence.transfer.nixl import NixlTransport
+from kvfence.transfer.shm import ShmTransport
+from kvfence.transfer.tcp import TcpTransport
 
 TransportFactory = Callable[..., KVTransport]
 

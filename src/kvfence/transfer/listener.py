@@ -15,9 +15,9 @@ from abc import abstractmethod
 from typing import Any
 
 from kvfence.kv.pool import KVPool
-from kvfence.serve.transfer import framing
-from kvfence.serve.transfer.base import KVReceiver, TransportClosed
-from kvfence.serve.transfer.layout import PoolShape
+from kvfence.transfer import framing
+from kvfence.transfer.base import KVReceiver, TransportClosed
+from kvfence.transfer.layout import PoolShape
 
 log = logging.getLogger(__name__)
 

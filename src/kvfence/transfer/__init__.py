@@ -4,14 +4,14 @@ See `base.py` for the contract (and how NIXL / Mooncake would plug in) and
 `registry.py` for picking a backend by name.
 """
 
-from kvfence.serve.transfer.base import KVReceiver, KVSender, KVTransport, TransferRefused
-from kvfence.serve.transfer.registry import (
+from kvfence.transfer.base import KVReceiver, KVSender, KVTransport, TransferRefused
+from kvfence.transfer.registry import (
     TransportRegistry,
     builtin_registry,
     get_transport,
     transport_names,
 )
-from kvfence.serve.transfer.rooms import Event, Landed
+from kvfence.transfer.rooms import Event, Landed
 
 __all__ = [
     "Event",

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from kvfence.engine.prefill import OutboundTransfer
 from kvfence.kv.pool import KVPool
-from kvfence.serve.transfer.base import (
+from kvfence.transfer.base import (
     KVReceiver,
     KVSender,
     KVTransport,
     TransferRefused,
     TransportClosed,
 )
-from kvfence.serve.transfer.inprocess import InProcessTransport
-from kvfence.serve.transfer.rooms import Event
+from kvfence.transfer.inprocess import InProcessTransport
+from kvfence.transfer.rooms import Event
 
 
 class TransportLink:

@@ -12,7 +12,7 @@ import socket
 import struct
 from typing import Any
 
-from kvfence.serve.transfer.base import TransportClosed
+from kvfence.transfer.base import TransportClosed
 
 HEADER = struct.Struct("!cIQ")
 MAX_BODY = 16 << 20  # a manifest for ~1M pages; anything larger is malformed

@@ -34,9 +34,9 @@ import torch
 from kvfence.engine.reconcile import byte_views
 from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import KVPool
-from kvfence.serve.transfer.base import KVTransport
-from kvfence.serve.transfer.granted import GrantClient, GrantingReceiver, end_body
-from kvfence.serve.transfer.layout import Outgoing, copy_runs_into
+from kvfence.transfer.base import KVTransport
+from kvfence.transfer.granted import GrantClient, GrantingReceiver, end_body
+from kvfence.transfer.layout import Outgoing, copy_runs_into
 
 log = logging.getLogger(__name__)
 # A P frame per 4 MiB: decode's read of a chunk (xxh3, well above the copy's rate) is done

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 
 from kvfence.kv.pool import KVPool
-from kvfence.serve.transfer import framing
-from kvfence.serve.transfer.base import Event, KVTransport, TransportClosed
-from kvfence.serve.transfer.granted import (
+from kvfence.transfer import framing
+from kvfence.transfer.base import Event, KVTransport, TransportClosed
+from kvfence.transfer.granted import (
     CHUNK_BYTES,
     GrantedSender,
     GrantingReceiver,
@@ -40,7 +40,7 @@ from kvfence.serve.transfer.granted import (
     parse_end,
     storage_addresses,
 )
-from kvfence.serve.transfer.layout import Outgoing
+from kvfence.transfer.layout import Outgoing
 
 log = logging.getLogger(__name__)
 

@@ -27,15 +27,15 @@ import weakref
 from typing import Any
 
 from kvfence.kv.pool import KVPool
-from kvfence.serve.transfer.base import KVTransport
-from kvfence.serve.transfer.granted import (
+from kvfence.transfer.base import KVTransport
+from kvfence.transfer.granted import (
     CHUNK_BYTES,
     GrantedSender,
     GrantingReceiver,
     chunked,
     storage_addresses,
 )
-from kvfence.serve.transfer.layout import Outgoing
+from kvfence.transfer.layout import Outgoing
 
 log = logging.getLogger(__name__)
 

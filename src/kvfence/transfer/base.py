@@ -39,8 +39,8 @@ from kvfence.engine.prefill import OutboundTransfer
 from kvfence.engine.reconcile import Reservation
 from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import KVPool
-from kvfence.serve.transfer.layout import Outgoing, PoolShape, prepare_outgoing
-from kvfence.serve.transfer.rooms import Event, RoomBook
+from kvfence.transfer.layout import Outgoing, PoolShape, prepare_outgoing
+from kvfence.transfer.rooms import Event, RoomBook
 
 
 class TransferRefused(Exception):
