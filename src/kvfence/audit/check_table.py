@@ -106,6 +106,15 @@ EMBEDDED_CHECKS: tuple[str, ...] = tuple(n for n in DEFAULT_CHECKS if n != "tran
 TIMED_CHECKS: tuple[str, ...] = ("noninterference", "latency", "prefix_sharing")
 
 
+def in_run_order(names: Sequence[str]) -> tuple[str, ...]:
+    """`names` in the runbook's order; a name that is no check is a ValueError naming the choices
+    (before any request is sent, so a typo never runs half an audit)."""
+    unknown = [name for name in names if name not in ALL_CHECKS]
+    if unknown:
+        raise ValueError(f"unknown check {unknown[0]!r}; choose from {', '.join(ALL_CHECKS)}")
+    return tuple(n for n in ALL_CHECKS if n in names)
+
+
 class CheckUnavailable(Exception):
     """A known check that cannot be loaded (its module or a dependency is missing or broken)."""
 

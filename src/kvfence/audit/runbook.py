@@ -29,10 +29,10 @@ from datetime import UTC, datetime
 
 from kvfence.audit.base import STATISTICAL_CHECKS, Budget, CheckResult, JSONValue, Verdict
 from kvfence.audit.check_table import (
-    ALL_CHECKS,
     DEFAULT_CHECKS,
     TIMED_CHECKS,
     CheckUnavailable,
+    in_run_order,
     load_check,
 )
 from kvfence.audit.checks.counters.check import CountersCheck
@@ -67,15 +67,11 @@ def run_audit(
     `separate_targets`: the targets share nothing (see the module docstring), so the
     untimed checks of all targets run concurrently; results keep the sequential order.
     """
-    unknown = [name for name in checks if name not in ALL_CHECKS]
-    if unknown:
-        raise ValueError(f"unknown check {unknown[0]!r}; choose from {', '.join(ALL_CHECKS)}")
-    ordered = tuple(n for n in ALL_CHECKS if n in checks)
+    ordered = in_run_order(checks)
     specs = as_specs(targets)
     ctx.statistical = tuple(n for n in ordered if n in STATISTICAL_CHECKS)  # alpha's split
     started = datetime.now(UTC).isoformat(timespec="seconds")
     t0 = time.monotonic()
-    summaries: list[TargetSummary] = []
     results: list[CheckResult] = []
 
     def collect(res: CheckResult) -> None:
@@ -83,18 +79,10 @@ def run_audit(
         if on_result is not None:
             on_result(res)
 
-    emit = _named(specs, collect)
-
     if separate_targets and len(specs) > 1:
         summaries, results = _audit_separate(specs, engine, ordered, ctx, on_result)
     else:
-        for spec in specs:
-            summary, target = _resolve_counted(spec, engine, ctx)
-            summaries.append(summary)
-            if target is None:
-                _not_audited(summary, ordered, emit)
-                continue
-            _audit_target(target, ordered, ctx, summary, emit)
+        summaries = _audit_in_turn(specs, engine, ordered, ctx, _named(specs, collect))
     return AuditRun(
         targets=summaries,
         results=results,
@@ -104,6 +92,25 @@ def run_audit(
         requests_sent=ctx.budget.sent,
         settings=_settings(engine, ctx),
     )
+
+
+def _audit_in_turn(
+    specs: Sequence[TargetSpec],
+    engine: str,
+    ordered: tuple[str, ...],
+    ctx: AuditContext,
+    emit: Callable[[CheckResult], None],
+) -> list[TargetSummary]:
+    """One target after another, each through every check in order."""
+    summaries: list[TargetSummary] = []
+    for spec in specs:
+        summary, target = _resolve_counted(spec, engine, ctx)
+        summaries.append(summary)
+        if target is None:
+            _not_audited(summary, ordered, emit)
+            continue
+        _audit_target(target, ordered, ctx, summary, emit)
+    return summaries
 
 
 def _settings(engine: str, ctx: AuditContext) -> dict[str, JSONValue]:
