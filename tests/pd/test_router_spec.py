@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from kvfence.cli import main
 from kvfence.serve.pd.launch import Loopback, router_child
 from kvfence.serve.pd.router_entry import tenants_of
-from kvfence.serve.pd.spec import RouterSpec, SpecError, decode_spec, encode_spec, read_spec
+from kvfence.serve.specs import RouterSpec, SpecError, decode_spec, encode_spec, read_spec
 from kvfence.serve.tenants import TenantRegistry
 
 SPEC = RouterSpec(

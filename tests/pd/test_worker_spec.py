@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfence.serve.pd.spec import (
+from kvfence.serve.specs import (
     SpecError,
     WorkerSpec,
     decode_spec,

@@ -19,7 +19,7 @@ from kvfence.kv.scrub import ScrubPolicy
 from kvfence.serve.cli import serve
 from kvfence.serve.option_types import PerRole
 from kvfence.serve.options import PDRouter, Role, ServeOptions, stack_worker_argv
-from kvfence.serve.pd.spec import RouterSpec, WorkerSpec, decode_spec, encode_spec
+from kvfence.serve.specs import RouterSpec, WorkerSpec, decode_spec, encode_spec
 
 MODEL = ["--model", "/models/m"]  # never read: nothing here loads a model
 

@@ -172,7 +172,7 @@ def test_the_step_budget_reaches_every_engine_a_serve_command_builds(
     from kvfence.serve.build import PoolSizes, build_local
     from kvfence.serve.cli import serve
     from kvfence.serve.options import Role, ServeOptions, stack_worker_argv
-    from kvfence.serve.pd.workers import engine_config
+    from kvfence.serve.specs import engine_config
 
     ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("budget") / "t")
     argv = ["--max-batch-tokens", "64", "--model", str(ckpt), "--kv-pages", "64"]
@@ -204,7 +204,7 @@ def test_the_prefill_order_reaches_every_engine_a_serve_command_builds(
     from kvfence.serve.build import PoolSizes, build_local
     from kvfence.serve.cli import serve
     from kvfence.serve.options import Role, ServeOptions, stack_worker_argv
-    from kvfence.serve.pd.workers import engine_config
+    from kvfence.serve.specs import engine_config
 
     ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("order") / "t")
     default = serve.make_context("serve", []).params["prefill_order"]

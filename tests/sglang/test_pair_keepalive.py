@@ -33,9 +33,8 @@ from kvfence.engine.messages import (
 )
 from kvfence.faults import FaultSet
 from kvfence.model.loader import load_model
-from kvfence.serve.pd.spec import WorkerSpec
-from kvfence.serve.pd.workers import engine_config
 from kvfence.serve.sglang.decode import DecodeSide
+from kvfence.serve.specs import WorkerSpec, engine_config
 from kvfence.transfer.registry import get_transport
 
 WAIT_S = 2.0

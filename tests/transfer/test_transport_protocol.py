@@ -110,7 +110,7 @@ def test_expect_refuses_a_duplicate_room_and_stale_handles_without_side_effects(
 
 
 def test_the_declared_cross_process_names_are_the_registry_less_inprocess() -> None:
-    # serve/pd/spec.py declares them torch-free for the CLI; the registry is the truth.
-    from kvfence.serve.pd.spec import CROSS_PROCESS
+    # serve/specs.py declares them torch-free for the CLI; the registry is the truth.
+    from kvfence.serve.specs import CROSS_PROCESS
 
     assert set(CROSS_PROCESS) == set(transport_names()) - {InProcessTransport.name}

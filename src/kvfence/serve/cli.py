@@ -27,9 +27,9 @@ from kvfence.serve.announce import announce
 from kvfence.serve.config import EXIT_GATE, Capacity, ServeConfig
 from kvfence.serve.option_types import PER_ROLE, EnumChoice, PerRole, parse_faults
 from kvfence.serve.options import PDRouter, Role, ServeOptions
-from kvfence.serve.pd.spec import CROSS_PROCESS, LOG_LEVELS, WorkerSpec
 from kvfence.serve.pool_sizing import DEFAULT_KV_FRACTION, gate_fix_hint
 from kvfence.serve.process_tuning import tune_serving_process
+from kvfence.serve.specs import CROSS_PROCESS, LOG_LEVELS, WorkerSpec
 from kvfence.serve.startup import collector_paused, quiet_torch_import
 from kvfence.serve.tenants import TenantFileError, TenantRegistry
 

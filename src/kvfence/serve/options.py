@@ -24,12 +24,11 @@ from kvfence.engine.prefill_order import PrefillOrder
 from kvfence.faults import FaultSet
 from kvfence.kv.scrub import ScrubPolicy
 from kvfence.serve.option_types import PerRole
-from kvfence.serve.pd.spec import RouterSpec, WorkerSpec, is_loopback
+from kvfence.serve.specs import RouterSpec, SglangWorkerSpec, WorkerSpec, is_loopback
 
 if TYPE_CHECKING:
     from kvfence.serve.build import ServerParts
     from kvfence.serve.sglang.stack import StackSpec
-    from kvfence.serve.sglang.worker import SglangWorkerSpec
 
 
 class Role(enum.Enum):
@@ -277,8 +276,6 @@ def read_secret(path: Path) -> str:
 
 def sglang_worker_spec(options: ServeOptions, worker: WorkerSpec) -> SglangWorkerSpec:
     """`--router sglang --role prefill|decode`: the worker's engine spec and its HTTP side."""
-    from kvfence.serve.sglang.worker import SglangWorkerSpec  # torch: the worker's alone
-
     assert options.router_secret_file is not None  # ServeOptions checks it is given
     return SglangWorkerSpec(
         worker=worker,

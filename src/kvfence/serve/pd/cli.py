@@ -5,7 +5,7 @@ kvfence` asks for kvfence's own hub (serve/pd/: what it still does is in the REA
 
 Each role's spec is derived once from the parsed options (serve/options.py), by the same
 method whether the role runs in this process (`--role`) or as a child of `--disaggregated`:
-a `WorkerSpec` or the `RouterSpec` goes to its process whole (serve/pd/spec.py), never back
+a `WorkerSpec` or the `RouterSpec` goes to its process whole (serve/specs.py), never back
 through argv.
 """
 
@@ -18,7 +18,7 @@ import click
 
 from kvfence.serve.options import PDRouter, Role, ServeOptions
 from kvfence.serve.pd.launch import Loopback, run_disaggregated
-from kvfence.serve.pd.spec import RouterSpec, WorkerSpec
+from kvfence.serve.specs import RouterSpec, WorkerSpec
 from kvfence.serve.startup import collector_paused
 from kvfence.serve.tenants import TenantRegistry
 

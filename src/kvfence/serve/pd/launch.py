@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfence.serve.pd.spec import RouterSpec, WorkerSpec, write_spec
+from kvfence.serve.specs import RouterSpec, WorkerSpec, write_spec
 from kvfence.serve.supervisor import ChildSpec, Supervisor
 from kvfence.serve.tenants import TenantRegistry
 
@@ -65,7 +65,7 @@ RouterSpecFor = Callable[[Loopback], RouterSpec]
 
 def worker_children(spec_for: WorkerSpecFor, addrs: Loopback, spec_dir: Path) -> list[ChildSpec]:
     """The workers as one child, the worker group, handed each worker's spec built here as a
-    file (serve/pd/spec.py); it imports torch once and forks them (worker_group.py)."""
+    file (serve/specs.py); it imports torch once and forks them (worker_group.py)."""
     paths = []
     for role, inboxes in (("prefill", addrs.prefill), ("decode", addrs.decode)):
         for i, inbox in enumerate(inboxes):

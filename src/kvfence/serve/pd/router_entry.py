@@ -2,7 +2,7 @@
 
     python -m kvfence.serve.pd.router_entry SPEC.json
 
-`kvfence serve --disaggregated` writes the router's spec (serve/pd/spec.py) beside the
+`kvfence serve --disaggregated` writes the router's spec (serve/specs.py) beside the
 workers' and starts the router with this entry, as it starts each worker with
 `worker_entry.py`. A spec that does not validate, or a tenant registry that cannot be read,
 ends the router with exit code 2 and the reason, before it binds or loads the web stack.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from kvfence.serve.pd.spec import EXIT_BAD_SPEC, RouterSpec, SpecError, spec_from_argv
+from kvfence.serve.specs import EXIT_BAD_SPEC, RouterSpec, SpecError, spec_from_argv
 from kvfence.serve.tenants import TenantFileError, TenantRegistry
 
 

@@ -16,7 +16,7 @@ from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve.app import create_app
 from kvfence.serve.config import EXIT_GATE, decide_capacity
 from kvfence.serve.pd.backend import PDBackend
-from kvfence.serve.pd.spec import RouterSpec
+from kvfence.serve.specs import RouterSpec
 from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.thread import bind, serve_forever, url_of
 

@@ -2,7 +2,7 @@
 
     python -m kvfence.serve.pd.worker_entry SPEC.json
 
-`kvfence serve --disaggregated` writes one spec a worker (serve/pd/spec.py) and starts each
+`kvfence serve --disaggregated` writes one spec a worker (serve/specs.py) and starts each
 worker with this entry, so a role's options are built once, in the supervisor, and never
 turned back into argv. A spec that does not validate ends the worker with exit code 2 and
 the reason, before it loads a model.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from kvfence.serve.pd.spec import EXIT_BAD_SPEC, SpecError, WorkerSpec, spec_from_argv
+from kvfence.serve.specs import EXIT_BAD_SPEC, SpecError, WorkerSpec, spec_from_argv
 
 
 def set_torch_threads(n: int) -> None:

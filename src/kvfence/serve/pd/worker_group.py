@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfence.serve.pd.spec import EXIT_BAD_SPEC, SpecError, WorkerSpec, read_spec
+from kvfence.serve.specs import EXIT_BAD_SPEC, SpecError, WorkerSpec, read_spec
 from kvfence.serve.supervisor import parent_death_hook, spawn
 
 GRACE_S = 4.0  # < Supervisor.grace_s

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,6 @@ from kvfence.kv.pool import KVPool
 from kvfence.model.loader import LoadedModel, load_model
 from kvfence.serve.app import create_app
 from kvfence.serve.config import Capacity, ServeConfig, decide_capacity
-from kvfence.serve.pd.spec import WorkerSpec
-from kvfence.serve.pd.workers import engine_config
 from kvfence.serve.sglang.cores import from_environment
 from kvfence.serve.sglang.decode import DecodeSide
 from kvfence.serve.sglang.gate import RouterGate
@@ -34,6 +31,7 @@ from kvfence.serve.sglang.generate import add_generate_route
 from kvfence.serve.sglang.prefill import PrefillSide
 from kvfence.serve.sglang.routing import WorkerRouter
 from kvfence.serve.sglang.side import PairSide
+from kvfence.serve.specs import SglangWorkerSpec, engine_config
 from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.thread import bind, serve_forever, url_of
 from kvfence.transfer.lab_holds import LabHold
@@ -41,21 +39,6 @@ from kvfence.transfer.registry import get_transport
 
 ANNOUNCE = "KVFENCE_SGLANG_WORKER "
 EXIT_GATE = 1
-
-
-@dataclass(frozen=True, slots=True)
-class SglangWorkerSpec:
-    """A worker's engine (`worker`) plus what its HTTP side and the router need."""
-
-    worker: WorkerSpec
-    secret: str  # the router credential: its path prefix (gate.py)
-    host: str = "127.0.0.1"
-    port: int = 0
-    bootstrap_port: int = 0  # prefill: the router's `--prefill URL BOOTSTRAP_PORT`
-    headroom: float = 1.25
-    allow_undersized_pool: bool = False
-    default_max_tokens: int = 16
-    log_level: str = "warning"
 
 
 def build_side(spec: SglangWorkerSpec, loaded: LoadedModel) -> PairSide:

@@ -1,5 +1,10 @@
-"""What each PD process needs, torch-free: the CLI and the supervisor build it without
-loading a model, a transport or the web stack (tests/test_cli_lazy.py).
+"""What each serving process needs, whatever coordinates it: the hub's workers and router,
+SGLang-style workers behind sglang-router, and the set-up both kinds of worker make from
+their spec (the model, the engine config with this role's pool sized, the page shape).
+
+Importing this module is torch-free: the CLI and the supervisor build specs without
+loading a model, a transport or the web stack (tests/test_cli_lazy.py); only
+`RoleSetUp.of` loads the model.
 
 The `--disaggregated` supervisor builds each worker's `WorkerSpec` and the router's
 `RouterSpec` once and hands each over as one JSON document (`write_spec`); the child
@@ -13,18 +18,23 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from kvfence.engine.config import EngineConfig, default_of
 from kvfence.engine.messages import build_checked
 from kvfence.engine.prefill_order import PrefillOrder
 from kvfence.faults import FaultSet
+from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.scrub import ScrubPolicy
 from kvfence.model.config import ModelConfig
 from kvfence.serve.config import ServeConfig
-from kvfence.serve.pool_sizing import DEFAULT_KV_FRACTION
+from kvfence.serve.pool_sizing import DEFAULT_KV_FRACTION, PoolSizes, available_memory_bytes
+
+if TYPE_CHECKING:
+    from kvfence.model.loader import LoadedModel
 
 # Every registered transport but the in-process one joins two processes (mooncake and nixl
 # need the `pd` extra). Declared here, torch-free, so the `--disaggregated` supervisor and the
@@ -75,6 +85,56 @@ class WorkerSpec:
             raise ValueError(f"WorkerSpec.scrub: unknown policy {self.scrub!r}")
         if self.torch_threads < 0:
             raise ValueError(f"torch_threads must be >= 0, got {self.torch_threads}")
+
+
+def role_pages(spec: WorkerSpec, loaded: LoadedModel) -> int:
+    geometry = loaded.config.kv_geometry(page_size=spec.page_size)
+    pages, kv_bytes, fraction = spec.kv_pages, spec.kv_bytes, spec.kv_memory_fraction
+    if spec.role == "prefill":
+        sizes = PoolSizes(pages, None, kv_bytes, None, fraction)
+    else:
+        sizes = PoolSizes(None, pages, None, kv_bytes, fraction)
+    ctx = spec.context_length or loaded.config.max_position_embeddings
+    role = sizes.plan(spec.role, geometry, ctx, available=available_memory_bytes())
+    print(role.how, file=sys.stderr, flush=True)  # the start-up log says how it was sized
+    return role.pages
+
+
+def engine_config(spec: WorkerSpec, loaded: LoadedModel) -> EngineConfig:
+    """One EngineConfig for this role; the other role's pool size is irrelevant here (1 page)."""
+    ctx = spec.context_length or loaded.config.max_position_embeddings
+    pages = role_pages(spec, loaded)
+    return EngineConfig(
+        prefill_pages=pages if spec.role == "prefill" else 1,
+        decode_pages=pages if spec.role == "decode" else 1,
+        page_size=spec.page_size,
+        max_batch_tokens=spec.max_batch_tokens,
+        prefill_order=PrefillOrder(spec.prefill_order),
+        context_length=ctx,
+        scrub=ScrubPolicy(spec.scrub),
+        prefix_cache=spec.prefix_cache,
+        shared_prefix_namespace=spec.shared_prefix_namespace,
+        eos_token_ids=loaded.tokenizer.eos_ids,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RoleSetUp:
+    """What either role builds from its spec before its pool: the model, the lab's switches,
+    the engine config (this role's pool sized) and the page shape."""
+
+    loaded: LoadedModel
+    faults: FaultSet
+    config: EngineConfig
+    geometry: KVGeometry
+
+    @classmethod
+    def of(cls, spec: WorkerSpec) -> RoleSetUp:
+        from kvfence.model.loader import load_model  # torch: the worker's alone
+
+        loaded = load_model(spec.model_dir, kind=spec.model_kind)
+        geometry = loaded.config.kv_geometry(page_size=spec.page_size)
+        return cls(loaded, FaultSet.parse(spec.faults), engine_config(spec, loaded), geometry)
 
 
 # uvicorn's names for its log levels (serve/thread.py hands the router's straight to it).
@@ -160,6 +220,22 @@ class RouterSpec:
             prefix_cache=self.prefix_cache,
             shared_prefix_cache=self.shared_prefix_cache,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class SglangWorkerSpec:
+    """An SGLang-style worker: its engine (`worker`) plus what its HTTP side and the router
+    need."""
+
+    worker: WorkerSpec
+    secret: str  # the router credential: its path prefix (serve/sglang/gate.py)
+    host: str = "127.0.0.1"
+    port: int = 0
+    bootstrap_port: int = 0  # prefill: the router's `--prefill URL BOOTSTRAP_PORT`
+    headroom: float = 1.25
+    allow_undersized_pool: bool = False
+    default_max_tokens: int = 16
+    log_level: str = "warning"
 
 
 SPEC_VERSION = 1
