@@ -10,12 +10,20 @@ no prefix cache helps) go one at a time, each for `--output` tokens (`ignore_eos
 greedy, streamed): TTFT is the prefill a long prompt pays; decode tok/s is the output
 after the first token over the time after it (attention over the whole long context).
 
-Prints one line per engine and length (medians, with the load average), then one line per
-length: each engine's TTFT p50 and `best_peer/kvfence` (>= 1.0: kvfence's TTFT at or
-below the best peer's).
+CPU time too: wall TTFT on a shared host says as much about the scheduler as about the
+engine (a server whose OpenMP threads busy-wait holds more of the cores under load). So
+each prefill is also measured in CPU seconds of the server's whole process tree (every
+thread and descendant: vLLM's engine core is a child; see bench/cpu_time.py for how a
+process leaving the tree is counted), read from /proc every `--sample` seconds on a
+thread and interpolated at the first token. `cores` is those CPU seconds over the TTFT:
+the share of the host the server held while it prefilled.
+
+Prints one line per engine and length (medians, with the load average), then per length:
+each engine's TTFT p50 and CPU-s p50 with `best_peer/kvfence` for each (>= 1.0: kvfence
+at or below the best peer measured in the same run), and the cores each held.
 
 Usage: python bench/long_prompts.py [--lengths 2048,4096,8000] [--repeats 2]
-           [--engines kvfence,vllm,llamacpp[,kvfence-pd]] [--output 16]
+           [--engines kvfence,vllm,llamacpp[,kvfence-pd]] [--output 16] [--sample 0.2]
 """
 
 from __future__ import annotations
@@ -26,23 +34,28 @@ import os
 import random
 import statistics
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.cpu_time import Sampling, TreeMeter, children_of  # noqa: E402
 from bench.peers import PeerCache, start_llamacpp, start_vllm  # noqa: E402
 from bench.serve_throughput import (  # noqa: E402
     FIRST_ID,
     KV_BYTES,
+    Outcome,
     Serving,
     installed,
+    one_request,
     pd_stack,
-    run_level,
     start_kvfence,
 )
 
@@ -55,18 +68,32 @@ PEERS = ("vllm", "llamacpp")
 
 
 @dataclass(frozen=True, slots=True)
+class Shot:
+    """One prompt: its outcome and the CPU seconds its prefill took (start to first token)."""
+
+    outcome: Outcome
+    prefill_cpu_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class Row:
     engine: str
     length: int
     ttft_ms: float
     decode_tok_s: float
+    cpu_s: float  # the server tree's CPU seconds per prefill (p50)
+    cores: float  # cpu_s over the TTFT (p50 of each prompt's)
     errors: int
+    departed: int  # tree members that exited outside it so far (see bench/cpu_time.py)
     load1: float
 
     def line(self) -> str:
+        gone = f" departed={self.departed}" if self.departed else ""
         return (
             f"  {self.engine:10s} prompt={self.length:5d} ttft_p50_ms={self.ttft_ms:9.1f} "
-            f"decode_tok_s={self.decode_tok_s:7.1f} errors={self.errors} load1={self.load1:.1f}"
+            f"cpu_s_p50={self.cpu_s:7.2f} cores={self.cores:4.2f} "
+            f"decode_tok_s={self.decode_tok_s:7.1f} errors={self.errors}{gone} "
+            f"load1={self.load1:.1f}"
         )
 
 
@@ -99,44 +126,99 @@ def engine(name: str, model_dir: Path, log_dir: Path) -> Iterator[Serving]:
         yield Serving.of(server)
 
 
+def tree_roots(name: str, serving: Serving) -> tuple[int, ...]:
+    """The processes whose trees are the engine: the server, or for the sglang stack every
+    process this bench started for it (router, edge and workers are its siblings)."""
+    return children_of(os.getpid()) if name == "kvfence-pd" else (serving.pid,)
+
+
+async def shoot(
+    serving: Serving, prompts: list[list[int]], output: int, cpu: Sampling
+) -> list[Shot]:
+    """One prompt at a time; each prefill's CPU is the tree's between the request's start
+    and its first token, read from the sampled timeline."""
+    timeout = httpx.Timeout(3600.0, connect=30.0)
+    shots = []
+    async with httpx.AsyncClient(timeout=timeout, headers=serving.headers) as client:
+        for p in serving.render(prompts):
+            before = cpu.read().cpu_s
+            t0 = time.perf_counter()
+            out = await one_request(client, serving.url, serving.model, p, output, True)
+            cpu.read()  # a reading after the first token, whatever the sampling's phase
+            spent = cpu.cpu_at(t0 + out.ttft_s) - before if out.error is None else float("nan")
+            shots.append(Shot(out, spent))
+    return shots
+
+
+def summarise(name: str, length: int, shots: list[Shot], cpu: Sampling, load1: float) -> Row:
+    ok = [s for s in shots if s.outcome.error is None]
+    for s in shots:
+        if s.outcome.error is not None:
+            print(f"  {name} prompt={length}: failed: {s.outcome.error}", flush=True)
+    outs = [s.outcome for s in ok]
+    rates = [
+        (o.output_tokens - 1) / (o.latency_s - o.ttft_s)
+        for o in outs
+        if o.output_tokens > 1 and o.latency_s > o.ttft_s
+    ]
+
+    def p50(values: list[float]) -> float:
+        return statistics.median(values) if values else float("nan")
+
+    return Row(
+        name,
+        length,
+        p50([o.ttft_s * 1000 for o in outs]),
+        p50(rates) if rates else 0.0,
+        p50([s.prefill_cpu_s for s in ok]),
+        p50([s.prefill_cpu_s / s.outcome.ttft_s for s in ok if s.outcome.ttft_s > 0]),
+        len(shots) - len(ok),
+        cpu.readings[-1].departed,
+        load1,
+    )
+
+
 def measure(
     name: str, serving: Serving, lengths: list[int], args: argparse.Namespace, id_limit: int
 ) -> list[Row]:
-    def send(prompts: list[list[int]], output: int) -> list[tuple[float, float, int, str | None]]:
-        outs, _ = asyncio.run(
-            run_level(
-                serving.url, serving.model, serving.render(prompts), 1, output, True,
-                serving.headers,
-            )
-        )  # fmt: skip
-        return [(o.ttft_s, o.latency_s, o.output_tokens, o.error) for o in outs]
-
-    warm = send([prompt(256, 0, args.seed + 1, id_limit)], 4)  # first-call costs, not counted
-    if warm[0][3] is not None:
-        raise RuntimeError(f"{name}: warm-up request failed: {warm[0][3]}")
-    rows = []
-    for length in lengths:
-        load1 = os.getloadavg()[0]
-        outs = send(
-            [prompt(length, r, args.seed, id_limit) for r in range(args.repeats)], args.output
-        )
-        ok = [o for o in outs if o[3] is None]
-        for o in outs:
-            if o[3] is not None:
-                print(f"  {name} prompt={length}: failed: {o[3]}", flush=True)
-        ttft = statistics.median(o[0] * 1000 for o in ok) if ok else float("nan")
-        rates = [(n - 1) / (lat - t) for t, lat, n, _ in ok if n > 1 and lat > t]
-        row = Row(
-            name,
-            length,
-            ttft,
-            statistics.median(rates) if rates else 0.0,
-            len(outs) - len(ok),
-            load1,
-        )
-        print(row.line(), flush=True)
-        rows.append(row)
+    roots = tree_roots(name, serving)
+    with Sampling(TreeMeter(roots), interval_s=args.sample) as cpu:
+        print(f"{name}: CPU of {cpu.readings[0].members} processes under {roots}", flush=True)
+        warm = asyncio.run(shoot(serving, [prompt(256, 0, args.seed + 1, id_limit)], 4, cpu))
+        if warm[0].outcome.error is not None:  # first-call costs, not counted
+            raise RuntimeError(f"{name}: warm-up request failed: {warm[0].outcome.error}")
+        rows = []
+        for length in lengths:
+            load1 = os.getloadavg()[0]
+            prompts = [prompt(length, r, args.seed, id_limit) for r in range(args.repeats)]
+            shots = asyncio.run(shoot(serving, prompts, args.output, cpu))
+            row = summarise(name, length, shots, cpu, load1)
+            print(row.line(), flush=True)
+            rows.append(row)
     return rows
+
+
+# What `compare` sets side by side: the label it prints, the figure, its format.
+FIGURES: tuple[tuple[str, Callable[[Row], float], str], ...] = (
+    ("ttft_p50_ms", lambda r: r.ttft_ms, ".0f"),
+    ("cpu_s_p50", lambda r: r.cpu_s, ".2f"),
+)
+
+
+def compare(rows: list[Row], length: int) -> None:
+    """Per length: each engine's figure and the best peer's over kvfence's (>= 1.0: kvfence
+    at or below the best peer), for TTFT and for CPU seconds; then the cores each held."""
+    at = {r.engine: r for r in rows if r.length == length}
+    ok_peers = [at[p] for p in PEERS if p in at and at[p].errors == 0]
+    for label, figure, fmt in FIGURES:
+        parts = [f"{e}={figure(r):{fmt}}" for e, r in at.items()]
+        best = min((figure(r) for r in ok_peers), default=None)
+        for own in ("kvfence", "kvfence-pd"):
+            if own in at and best is not None:
+                parts.append(f"best_peer/{own}={best / figure(at[own]):.3f}")
+        print(f"long_prompts prompt={length} {label}: " + " ".join(parts), flush=True)
+    cores = " ".join(f"{e}={r.cores:.2f}" for e, r in at.items())
+    print(f"long_prompts prompt={length} cores: {cores}", flush=True)
 
 
 def main() -> None:
@@ -146,8 +228,11 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=16)
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sample", type=float, default=0.2, help="seconds between /proc reads")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
+    if not 0.01 <= args.sample <= 5.0:
+        ap.error(f"--sample {args.sample} s: give 0.01 to 5 seconds between /proc reads")
     if max(lengths) + args.output > CONTEXT:
         ap.error(f"a prompt of {max(lengths)} + {args.output} output tokens exceeds {CONTEXT}")
     names = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -171,14 +256,7 @@ def main() -> None:
             print(f"{name}: ready in {serving.ready_s:.1f} s", flush=True)
             rows += measure(name, serving, lengths, args, id_limit)
     for length in lengths:
-        at = {r.engine: r for r in rows if r.length == length}
-        parts = [f"{e}={r.ttft_ms:.0f}" for e, r in at.items()]
-        peers = [at[p].ttft_ms for p in PEERS if p in at and at[p].errors == 0]
-        if "kvfence" in at and peers:
-            parts.append(f"best_peer/kvfence={min(peers) / at['kvfence'].ttft_ms:.3f}")
-        if "kvfence-pd" in at and peers:
-            parts.append(f"best_peer/kvfence-pd={min(peers) / at['kvfence-pd'].ttft_ms:.3f}")
-        print(f"long_prompts prompt={length} ttft_p50_ms: " + " ".join(parts), flush=True)
+        compare(rows, length)
 
 
 if __name__ == "__main__":
