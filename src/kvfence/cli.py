@@ -23,6 +23,7 @@ from kvfence.engine.sizing import (
 from kvfence.extras import MISSING_EXTRA_EXIT, engine_missing
 from kvfence.kv.geometry import KVGeometry  # torch-free: `kvfence gate` needs no model
 from kvfence.lazy_cli import LazyCommand, LazyGroup
+from kvfence.serve.config import EXIT_GATE  # every failed gate exits with it (torch-free)
 from kvfence.serve.process_tuning import tune_serving_process
 
 # The built-in tiny geometry (the checkpoint `kvfence make-model` writes).
@@ -212,7 +213,7 @@ def gate(
         decision = capacity_gate(pool_tokens, context_length, headroom=headroom)
     except CapacityGateError as e:
         click.echo(str(e), err=True)
-        sys.exit(1)
+        sys.exit(EXIT_GATE)
     except ValueError as e:  # negative pool, context <= 0, headroom < 1
         raise click.UsageError(str(e)) from None
     click.echo(decision.report.message())

@@ -13,18 +13,18 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
 from kvfence.engine.config import EngineConfig, default_of
 from kvfence.engine.prefill_order import PrefillOrder
-from kvfence.engine.sizing import DEFAULT_HEADROOM, CapacityGateError
+from kvfence.engine.sizing import DEFAULT_HEADROOM
 from kvfence.kv.scrub import ScrubPolicy
 from kvfence.model.config import MODEL_KINDS
 from kvfence.model.tiny import PRESETS
 from kvfence.serve.announce import announce
-from kvfence.serve.config import EXIT_GATE, Capacity, ServeConfig
+from kvfence.serve.config import Capacity, ServeConfig
 from kvfence.serve.option_types import PER_ROLE, EnumChoice, PerRole, parse_faults
 from kvfence.serve.options import PDRouter, Role, ServeOptions
 from kvfence.serve.pool_sizing import DEFAULT_KV_FRACTION, gate_fix_hint
@@ -32,9 +32,6 @@ from kvfence.serve.process_tuning import tune_serving_process
 from kvfence.serve.specs import CROSS_PROCESS, LOG_LEVELS, WorkerSpec
 from kvfence.serve.startup import collector_paused, quiet_torch_import
 from kvfence.serve.tenants import TenantFileError, TenantRegistry
-
-if TYPE_CHECKING:
-    from kvfence.serve.build import ServerParts
 
 # Torch, the model, the web stack and the PD roles are imported where they are used: the
 # `--disaggregated` supervisor and the router role never load a model, and on a
@@ -242,57 +239,45 @@ def serve(**given: Any) -> None:
         options = replace(options, model_dir=options.checkpoint)
     quiet_torch_import()  # before any role imports torch; children inherit it
     if options.pd_router is None:
-        _serve_local(options, tenants)
-        return
-    from kvfence.serve.pd.cli import pd_main
+        sys.exit(_serve_local(options, tenants))
     from kvfence.transfer.native import missing_native
 
     if (missing := missing_native(options.transport)) is not None:
         raise click.UsageError(missing)
-    sys.exit(pd_main(options, tenants, announce))
+    if options.pd_router is PDRouter.SGLANG:
+        from kvfence.serve.sglang.cli import sglang_main
+
+        sys.exit(sglang_main(options, tenants))
+    from kvfence.serve.pd.cli import pd_main
+
+    sys.exit(pd_main(options, tenants))
 
 
-def _serve_local(options: ServeOptions, tenants: TenantRegistry) -> None:
-    """The single-process server: build -> capacity gate (I4) -> listen -> serve until stopped."""
+def _serve_local(options: ServeOptions, tenants: TenantRegistry) -> int:
+    """The single-process server: build, then the start-up sequence (serve/serving.py)."""
     with collector_paused():  # the imports and the build (serve/startup.py)
         from kvfence.engine.threads import keep_one_for_engine
-        from kvfence.serve.app import create_app
-        from kvfence.serve.thread import bind, serve_forever, url_of
+        from kvfence.serve.serving import Listen, Server, run_server
 
         parts = options.build_local(keep_one_for_engine(options.torch_threads))
-        for line in parts.sizing:
-            click.echo(line, err=True)
-        capacity = _gate(parts)
-        app = create_app(
-            parts.pipeline,
-            parts.loaded.tokenizer,
-            parts.config,
-            tenants,
-            capacity=capacity,
-            request_log=options.request_log,
-        )
-        sock = bind(options.host, options.port)
-    url = url_of(sock)
-    announce(url, tenants, parts.config.model_name, capacity.report.message())
-    parts.pipeline.start()
-    try:
-        serve_forever(app, sock, log_level=options.log_level)
-    finally:
-        parts.pipeline.stop()
-        sock.close()
+    for line in parts.sizing:
+        click.echo(line, err=True)
+    server = Server(
+        parts.pipeline, parts.loaded.tokenizer, parts.config, tenants, options.request_log
+    )
+
+    def listening(url: str, capacity: Capacity) -> None:
+        announce(url, tenants, parts.config.model_name, capacity.report.message())
+
+    rc = run_server(
+        server,
+        Listen(options.host, options.port, options.log_level),
+        listening,
+        gate_hint=lambda report: gate_fix_hint(report, parts.geometry),
+    )
+    if rc == 0:
         click.echo("kvfence: stopped", err=True)
-
-
-def _gate(parts: ServerParts) -> Capacity:
-    """The capacity gate on the live pools; a failing gate exits 1 with its message (I4)."""
-    from kvfence.serve.config import decide_capacity
-
-    try:
-        return decide_capacity(parts.config, parts.pipeline.stats().pools)
-    except CapacityGateError as e:
-        click.echo(str(e), err=True)  # I4: the server does not start
-        click.echo(gate_fix_hint(e.report, parts.geometry), err=True)
-        sys.exit(EXIT_GATE)
+    return rc
 
 
 def _tenants(options: ServeOptions) -> TenantRegistry:

@@ -44,3 +44,11 @@ def collector_paused() -> Iterator[None]:
 def quiet_torch_import() -> None:
     """Skip torch's device-plugin scan at import (it must run before torch is imported)."""
     os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+
+def set_torch_threads(n: int) -> None:
+    """Intra-op threads for a worker's model; 0 keeps torch's default."""
+    if n:
+        import torch  # torch: workers only
+
+        torch.set_num_threads(n)

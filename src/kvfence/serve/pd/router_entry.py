@@ -37,13 +37,12 @@ def main(argv: list[str]) -> int:
     except SpecError as e:
         print(f"kvfence router: {e}", file=sys.stderr)
         return EXIT_BAD_SPEC
-    from kvfence.serve.announce import announce  # the router's own lines: URL, keys, gate
     from kvfence.serve.startup import collector_paused
 
     with collector_paused():  # start-up imports (serve/startup.py)
         from kvfence.serve.pd.router_role import run_router  # the web stack: past validation
 
-    return run_router(spec, tenants, announce)
+    return run_router(spec, tenants)
 
 
 if __name__ == "__main__":

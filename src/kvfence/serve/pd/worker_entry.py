@@ -16,17 +16,9 @@ import sys
 from kvfence.serve.specs import EXIT_BAD_SPEC, SpecError, WorkerSpec, spec_from_argv
 
 
-def set_torch_threads(n: int) -> None:
-    """Intra-op threads for this worker's model; 0 keeps torch's default."""
-    if n:
-        import torch  # torch: workers only
-
-        torch.set_num_threads(n)
-
-
 def run_worker_process(spec: WorkerSpec) -> int:
     """Run one worker role to its end; this process then exits without finalisation."""
-    from kvfence.serve.startup import collector_paused
+    from kvfence.serve.startup import collector_paused, set_torch_threads
 
     with collector_paused():  # start-up imports (serve/startup.py)
         set_torch_threads(spec.torch_threads)

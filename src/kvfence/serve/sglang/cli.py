@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import tempfile
@@ -11,8 +12,7 @@ from typing import Any
 import click
 
 from kvfence.serve.options import ServeOptions, sglang_worker_spec, stack_spec
-from kvfence.serve.pd.worker_entry import set_torch_threads
-from kvfence.serve.startup import collector_paused
+from kvfence.serve.startup import collector_paused, set_torch_threads
 from kvfence.serve.supervisor import interrupts_unwind
 from kvfence.serve.tenants import TenantRegistry
 
@@ -67,8 +67,18 @@ def _announce(stack: Any, tenants: TenantRegistry) -> None:
     sys.stdout.flush()
 
 
+def check_sglang_router_installed() -> None:
+    """A usage error (exit 2) naming the extra, and the fix that needs none."""
+    if importlib.util.find_spec("sglang_router") is None:
+        raise click.UsageError(
+            "sglang-router is not installed (pip install 'kvfence[pd]'); "
+            "or use kvfence's own router: --router kvfence"
+        )
+
+
 def sglang_main(options: ServeOptions, tenants: TenantRegistry) -> int:
     """The whole stack (`--disaggregated`), or one worker of it (`--role prefill|decode`)."""
+    check_sglang_router_installed()
     if options.disaggregated:
         return run_stack(options, tenants)
     assert options.role is not None  # ServeOptions: --role prefill|decode here

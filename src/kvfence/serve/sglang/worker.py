@@ -15,15 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from starlette.applications import Starlette
+from starlette.types import ASGIApp
 
 from kvfence.engine.decode import DecodeEngine
 from kvfence.engine.prefill import PrefillEngine
-from kvfence.engine.sizing import CapacityGateError
 from kvfence.faults import FaultSet
 from kvfence.kv.pool import KVPool
 from kvfence.model.loader import LoadedModel, load_model
-from kvfence.serve.app import create_app
-from kvfence.serve.config import Capacity, ServeConfig, decide_capacity
+from kvfence.serve.config import Capacity, ServeConfig
+from kvfence.serve.serving import Listen, Server, run_server
 from kvfence.serve.sglang.cores import from_environment
 from kvfence.serve.sglang.decode import DecodeSide
 from kvfence.serve.sglang.gate import RouterGate
@@ -33,12 +34,10 @@ from kvfence.serve.sglang.routing import WorkerRouter
 from kvfence.serve.sglang.side import PairSide
 from kvfence.serve.specs import SglangWorkerSpec, engine_config
 from kvfence.serve.tenants import TenantRegistry
-from kvfence.serve.thread import bind, serve_forever, url_of
 from kvfence.transfer.lab_holds import LabHold
 from kvfence.transfer.registry import get_transport
 
 ANNOUNCE = "KVFENCE_SGLANG_WORKER "
-EXIT_GATE = 1
 
 
 def build_side(spec: SglangWorkerSpec, loaded: LoadedModel) -> PairSide:
@@ -119,31 +118,18 @@ def run_sglang_worker(spec: SglangWorkerSpec, tenants: TenantRegistry) -> int:
     side = build_side(spec, loaded)
     side.cores = from_environment(torch.set_num_threads)  # the stack's co-located workers
     config = serve_config(spec, loaded)
-    try:
-        capacity = decide_capacity(config, side.stats().pools)
-    except CapacityGateError as e:
-        print(str(e), file=sys.stderr)  # I4: this worker takes no traffic
-        side.stop()
-        return EXIT_GATE
-    app = create_app(
-        side, loaded.tokenizer, config, tenants, capacity=capacity, router_type=WorkerRouter
-    )
-    add_generate_route(app)  # SGLang's native route, on the same admission path
+    server = Server(side, loaded.tokenizer, config, tenants, router_type=WorkerRouter)
 
-    def facts() -> dict[str, Any]:
-        return router_facts(spec, side, config, capacity)
+    def expose(app: Starlette, capacity: Capacity) -> ASGIApp:
+        add_generate_route(app)  # SGLang's native route, on the same admission path
+        return RouterGate(app, spec.secret, lambda: router_facts(spec, side, config, capacity))
 
-    gated = RouterGate(app, spec.secret, facts)
-    sock = bind(spec.host, spec.port)
-    side.start()
-    try:
+    def listening(url: str, capacity: Capacity) -> None:
         port = side.inbox.addr.rsplit(":", 1)[1]
         bootstrap = int(port) if spec.worker.role == "prefill" else None
-        shown = {"role": spec.worker.role, "url": url_of(sock), "bootstrap_port": bootstrap}
+        shown = {"role": spec.worker.role, "url": url, "bootstrap_port": bootstrap}
         print(ANNOUNCE + json.dumps(shown), flush=True)
         print(capacity.report.message(), file=sys.stderr, flush=True)
-        serve_forever(gated, sock, log_level=spec.log_level)
-    finally:
-        side.stop()
-        sock.close()
-    return 0
+
+    listen = Listen(spec.host, spec.port, spec.log_level)
+    return run_server(server, listen, listening, expose=expose)
