@@ -20,8 +20,8 @@ from kvfence.serve.tenants import TenantRegistry
 SPEC = RouterSpec(
     model_dir="/models/m",
     inbox="tcp://127.0.0.1:7000",
-    prefill=("tcp://127.0.0.1:7001",),
-    decode=("tcp://127.0.0.1:7002", "tcp://127.0.0.1:7003"),
+    prefill_addr=("tcp://127.0.0.1:7001",),
+    decode_addr=("tcp://127.0.0.1:7002", "tcp://127.0.0.1:7003"),
     host="127.0.0.1",
     port=0,
     transport="shm",
@@ -29,7 +29,7 @@ SPEC = RouterSpec(
     request_log="/tmp/requests.jsonl",
     tenants_file="/etc/kvfence/tenants.json",
 )
-ADDRS = Loopback(SPEC.inbox, SPEC.prefill, SPEC.decode)
+ADDRS = Loopback(SPEC.inbox, SPEC.prefill_addr, SPEC.decode_addr)
 
 
 def _doc(**body: object) -> str:
@@ -70,7 +70,7 @@ def _fields(spec: RouterSpec) -> dict[str, object]:
         (_doc(timeouts={}), "unknown fields ['timeouts']"),
         (_doc(port="8080"), "RouterSpec.port must be int"),
         (_doc(port=70000), "RouterSpec.port must be in 0..65535"),
-        (_doc(decode=[]), "RouterSpec.decode needs at least one decode worker"),
+        (_doc(decode_addr=[]), "RouterSpec.decode_addr needs at least one decode worker"),
         (_doc(transport="inprocess"), "RouterSpec.transport is one of tcp, shm"),
         (_doc(log_level="loud"), "RouterSpec.log_level is one of critical"),
         (_doc(scrub="bleach"), "RouterSpec.scrub: unknown policy 'bleach'"),

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvfence.serve.specs import (
+    SPEC_VERSION,
     SpecError,
     WorkerSpec,
     decode_spec,
@@ -49,7 +50,7 @@ def test_a_spec_round_trips_through_its_file(tmp_path: Path) -> None:
     [
         ("{not json", "not a JSON worker spec"),
         (json.dumps({"type": "kvfence.WorkerSpec", "body": {}}), "exactly 'type', 'version'"),
-        (encode_spec(SPEC).replace('"version": 1', '"version": 9'), "version 9"),
+        (encode_spec(SPEC).replace(f'"version": {SPEC_VERSION}', '"version": 9'), "version 9"),
         (_doc(pagez=3), "unknown fields ['pagez']"),
         (_doc(kv_pages="512"), "WorkerSpec.kv_pages"),
         (_doc(faults="early-free"), "WorkerSpec.faults must be a list"),

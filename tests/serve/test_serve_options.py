@@ -17,9 +17,10 @@ from kvfence.engine.prefill_order import PrefillOrder
 from kvfence.faults import Fault, FaultSet
 from kvfence.kv.scrub import ScrubPolicy
 from kvfence.serve.cli import serve
+from kvfence.serve.config import ServeConfig
 from kvfence.serve.option_types import PerRole
 from kvfence.serve.options import PDRouter, Role, ServeOptions, stack_worker_argv
-from kvfence.serve.specs import RouterSpec, WorkerSpec, decode_spec, encode_spec
+from kvfence.serve.specs import RouterSpec, SglangWorkerSpec, WorkerSpec, decode_spec, encode_spec
 
 MODEL = ["--model", "/models/m"]  # never read: nothing here loads a model
 
@@ -81,6 +82,29 @@ def test_a_bad_option_is_a_usage_error_naming_the_flag(argv: list[str], message:
     assert message in " ".join(result.output.split()), result.output
 
 
+# What a spec or the server's config carries that no option of `kvfence serve` names: each
+# is a concept of its own, never another spelling of an option.
+NOT_OPTIONS: dict[type, set[str]] = {
+    WorkerSpec: set(),
+    RouterSpec: set(),
+    SglangWorkerSpec: {"worker", "secret"},  # the engine's spec; the secret file's content
+    ServeConfig: {"model_name", "vocab_size", "lab_profile", "body_timeout_s"},  # not flags
+}
+
+
+def misnamed(cls: type, options: set[str]) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)} - options - NOT_OPTIONS[cls]
+
+
+def test_a_concept_has_one_name_from_the_flag_to_the_config() -> None:
+    # `--scrub` is `scrub` in the options, every spec and the server's config; a field that
+    # says the same thing in other words (scrub_policy, prefill for prefill_addr) is drift.
+    options = {f.name for f in dataclasses.fields(ServeOptions)}
+    assert {cls.__name__: misnamed(cls, options) for cls in NOT_OPTIONS} == {
+        cls.__name__: set() for cls in NOT_OPTIONS
+    }
+
+
 def test_the_worker_and_router_specs_are_the_options_own() -> None:
     o = parse(
         "--scrub", "on_allocate", "--shared-prefix-cache", "--kv-pages", "prefill=8,decode=16",
@@ -92,7 +116,7 @@ def test_the_worker_and_router_specs_are_the_options_own() -> None:
     assert (prefill.kv_pages, decode.kv_pages) == (8, 16)
     assert (prefill.torch_threads, decode.torch_threads) == (3, 1)
     assert prefill.scrub == "on_allocate" and prefill.prefill_order == "arrival"
-    assert prefill.shared_prefix_namespace is not None and prefill.faults == ("no-invalidate",)
+    assert prefill.shared_prefix_cache and prefill.faults == ("no-invalidate",)
     router = o.router_spec("tcp://r:1", ("tcp://w:1",), ("tcp://w:2",))
     config_fields = (router.scrub, router.shared_prefix_cache, router.context_length)
     assert config_fields == ("on_allocate", True, 512)

@@ -22,10 +22,9 @@ from kvfence.kv.pool import ScrubPolicy
 from kvfence.model.loader import LoadedModel, load_model
 from kvfence.serve.config import ServeConfig
 from kvfence.serve.pool_sizing import ROLES, PoolSizes, available_memory_bytes
+from kvfence.serve.specs import SHARED_NAMESPACE
 from kvfence.transfer.inprocess import InProcessTransport
 from kvfence.transfer.link import inprocess_link
-
-SHARED_NAMESPACE = "shared"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +89,7 @@ def build_local(
         faults=faults,
         lab_profile=lab_profile,
         default_max_tokens=default_max_tokens,
-        scrub_policy=engine.scrub.value,
+        scrub=engine.scrub,
         transport=InProcessTransport.name,
         disaggregated=False,
         prefix_cache=engine.prefix_cache,

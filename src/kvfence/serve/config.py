@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from kvfence.engine.backend import PoolInfo
 from kvfence.engine.sizing import DEFAULT_HEADROOM, GateReport, capacity_gate
 from kvfence.faults import Fault, FaultSet
+from kvfence.kv.scrub import ScrubPolicy
 
 # A serving process whose live pools fail the capacity gate (I4) exits with this, unserved.
 EXIT_GATE = 1
@@ -20,7 +21,7 @@ class ServeConfig:
     context_length: the advertised window (`max_model_len`).
     vocab_size: token ids a prompt may contain (the model's embedding rows).
     default_max_tokens: used when a request gives none (completions and chat).
-    engine facts (scrub_policy, transport, disaggregated, prefix_cache,
+    engine facts (scrub, transport, disaggregated, prefix_cache,
     shared_prefix_cache) are read from the backend's own configuration by
     whoever builds the server and only reported here.
     """
@@ -33,7 +34,7 @@ class ServeConfig:
     faults: FaultSet = field(default_factory=FaultSet)
     lab_profile: str | None = None
     default_max_tokens: int = 16
-    scrub_policy: str = "none"
+    scrub: ScrubPolicy = ScrubPolicy.NONE
     transport: str = "inprocess"  # the registry name of the transport that runs
     disaggregated: bool = False
     prefix_cache: bool = True

@@ -42,7 +42,7 @@ def server_info(
         "max_req_input_len": capacity.edge_limit,
         "max_total_num_tokens": capacity.max_total_num_tokens,
         "page_size": page_size,
-        "scrub_policy": config.scrub_policy,
+        "scrub_policy": config.scrub.value,
         "pools": pools,
         "capacity_gate": {
             "passed": report.passed,

@@ -226,7 +226,7 @@ class ServeOptions:
             context_length=self.context_length,
             scrub=self.scrub.value,
             prefix_cache=self.prefix_cache,
-            shared_prefix_namespace="shared" if self.shared_prefix_cache else None,
+            shared_prefix_cache=self.shared_prefix_cache,
             faults=tuple(self.faults.names()),
             transport=self.transport,
             kv_host=self.kv_host,
@@ -234,7 +234,7 @@ class ServeOptions:
         )
 
     def router_spec(
-        self, inbox: str, prefill: tuple[str, ...], decode: tuple[str, ...]
+        self, inbox: str, prefill_addr: tuple[str, ...], decode_addr: tuple[str, ...]
     ) -> RouterSpec:
         """The hub's spec, given the workers' control addresses; a bad value is a usage error
         (exit 2) before any process starts or anything binds."""
@@ -242,8 +242,8 @@ class ServeOptions:
             return RouterSpec(
                 model_dir=str(self.checkpoint),
                 inbox=inbox,
-                prefill=prefill,
-                decode=decode,
+                prefill_addr=prefill_addr,
+                decode_addr=decode_addr,
                 host=self.host,
                 port=self.port,
                 transport=self.transport,

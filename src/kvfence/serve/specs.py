@@ -42,6 +42,10 @@ if TYPE_CHECKING:
 # tests/transfer/test_transport_protocol.py holds it equal to the registry.
 CROSS_PROCESS = ("tcp", "shm", "mooncake", "nixl")
 
+# The one prefix-cache namespace every tenant shares when the operator opts in
+# (`--shared-prefix-cache`, I8 off by choice); otherwise each tenant's is its own.
+SHARED_NAMESPACE = "shared"
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
@@ -60,9 +64,9 @@ class WorkerSpec:
     max_batch_tokens: int = default_of(EngineConfig, "max_batch_tokens")  # the step budget
     prefill_order: str = default_of(EngineConfig, "prefill_order").value  # a PrefillOrder value
     context_length: int | None = None
-    scrub: str = ScrubPolicy.NONE.value
+    scrub: str = default_of(EngineConfig, "scrub").value  # a ScrubPolicy value
     prefix_cache: bool = True
-    shared_prefix_namespace: str | None = None
+    shared_prefix_cache: bool = False  # the operator's explicit opt-in (I8)
     faults: tuple[str, ...] = ()
     transport: str = "tcp"
     kv_host: str = "127.0.0.1"  # decode: the interface its KV receiver listens on
@@ -113,7 +117,7 @@ def engine_config(spec: WorkerSpec, loaded: LoadedModel) -> EngineConfig:
         context_length=ctx,
         scrub=ScrubPolicy(spec.scrub),
         prefix_cache=spec.prefix_cache,
-        shared_prefix_namespace=spec.shared_prefix_namespace,
+        shared_prefix_namespace=SHARED_NAMESPACE if spec.shared_prefix_cache else None,
         eos_token_ids=loaded.tokenizer.eos_ids,
     )
 
@@ -157,8 +161,8 @@ class RouterSpec:
 
     model_dir: str
     inbox: str  # the router's control inbox, which the workers report to
-    prefill: tuple[str, ...]  # the prefill workers' control inboxes
-    decode: tuple[str, ...]
+    prefill_addr: tuple[str, ...]  # the prefill workers' control inboxes
+    decode_addr: tuple[str, ...]
     host: str  # where the public API listens
     port: int
     transport: str
@@ -167,7 +171,7 @@ class RouterSpec:
     allow_undersized_pool: bool = False
     faults: tuple[str, ...] = ()
     default_max_tokens: int = default_of(ServeConfig, "default_max_tokens")
-    scrub: str = default_of(ServeConfig, "scrub_policy")  # a ScrubPolicy value
+    scrub: str = default_of(EngineConfig, "scrub").value  # a ScrubPolicy value
     prefix_cache: bool = True
     shared_prefix_cache: bool = False
     log_level: str = "warning"
@@ -176,9 +180,11 @@ class RouterSpec:
     no_auth: bool = False  # dev mode: one tenant, no keys (loopback hosts only)
 
     def __post_init__(self) -> None:
-        for name, value in (("prefill", self.prefill), ("decode", self.decode)):
+        for role, value in (("prefill", self.prefill_addr), ("decode", self.decode_addr)):
             if not value:
-                raise ValueError(f"RouterSpec.{name} needs at least one {name} worker's address")
+                raise ValueError(
+                    f"RouterSpec.{role}_addr needs at least one {role} worker's address"
+                )
         if self.transport not in CROSS_PROCESS:
             raise ValueError(
                 f"RouterSpec.transport is one of {', '.join(CROSS_PROCESS)}, got {self.transport!r}"
@@ -214,7 +220,7 @@ class RouterSpec:
             allow_undersized_pool=self.allow_undersized_pool,
             faults=FaultSet.parse(self.faults),
             default_max_tokens=self.default_max_tokens,
-            scrub_policy=self.scrub,
+            scrub=ScrubPolicy(self.scrub),
             transport=self.transport,
             disaggregated=True,
             prefix_cache=self.prefix_cache,
@@ -232,13 +238,13 @@ class SglangWorkerSpec:
     host: str = "127.0.0.1"
     port: int = 0
     bootstrap_port: int = 0  # prefill: the router's `--prefill URL BOOTSTRAP_PORT`
-    headroom: float = 1.25
+    headroom: float = default_of(ServeConfig, "headroom")
     allow_undersized_pool: bool = False
-    default_max_tokens: int = 16
+    default_max_tokens: int = default_of(ServeConfig, "default_max_tokens")
     log_level: str = "warning"
 
 
-SPEC_VERSION = 1
+SPEC_VERSION = 2  # 2: WorkerSpec.shared_prefix_cache, a flag as everywhere else
 EXIT_BAD_SPEC = 2  # a child whose spec does not validate ends with this, before it binds
 Spec = TypeVar("Spec", WorkerSpec, RouterSpec)
 

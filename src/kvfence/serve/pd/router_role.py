@@ -22,7 +22,9 @@ def run_router(spec: RouterSpec, tenants: TenantRegistry) -> int:
     """Serve the public API over worker processes. Exit 1 if the live pools fail the gate (I4)."""
     config = spec.serve_config()
     tokenizer = Tokenizer.from_dir(Path(spec.model_dir))
-    backend = PDBackend(spec.inbox, list(spec.prefill), list(spec.decode), faults=config.faults)
+    backend = PDBackend(
+        spec.inbox, list(spec.prefill_addr), list(spec.decode_addr), faults=config.faults
+    )
     log = None if spec.request_log is None else Path(spec.request_log)
 
     def listening(url: str, capacity: Capacity) -> None:

@@ -70,7 +70,6 @@ class StackSpec:
     router_args: tuple[str, ...] = ()
     # Each part's start-up wait follows it (its log, its CPU time), see kvfence.startup_wait.
     startup: StartupBounds = field(default_factory=lambda: StartupBounds(poll_s=0.02))
-    worker_env: tuple[tuple[str, str], ...] = ()  # extra environment for the workers (lab hooks)
     # False: the router itself on the public address with its control plane open, as
     # sglang-router ships; only to measure the edge and to show what it prevents (tests).
     edge: bool = True
@@ -126,7 +125,7 @@ class Stack:
         roles = ["prefill"] * self.spec.n_prefill + ["decode"] * self.spec.n_decode
         names = [f"{r}-{i}" for i, r in enumerate(roles)]
         for slot, (name, role) in enumerate(zip(names, roles, strict=True)):
-            env = {**dict(self.spec.worker_env), **self._core_share(slot, len(roles))}
+            env = self._core_share(slot, len(roles))
             self._spawn(name, self._worker_argv(role, secret_file), env)
         router = [sys.executable, "-m", "kvfence.serve.sglang.router_main", ARGS_ON_STDIN]
         self._spawn("sglang-router", router, stdin=subprocess.PIPE)

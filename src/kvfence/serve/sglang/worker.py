@@ -22,6 +22,7 @@ from kvfence.engine.decode import DecodeEngine
 from kvfence.engine.prefill import PrefillEngine
 from kvfence.faults import FaultSet
 from kvfence.kv.pool import KVPool
+from kvfence.kv.scrub import ScrubPolicy
 from kvfence.model.loader import LoadedModel, load_model
 from kvfence.serve.config import Capacity, ServeConfig
 from kvfence.serve.serving import Listen, Server, run_server
@@ -67,11 +68,11 @@ def serve_config(spec: SglangWorkerSpec, loaded: LoadedModel) -> ServeConfig:
         allow_undersized_pool=spec.allow_undersized_pool,
         faults=FaultSet.parse(w.faults),
         default_max_tokens=spec.default_max_tokens,
-        scrub_policy=w.scrub,
+        scrub=ScrubPolicy(w.scrub),
         transport=w.transport,
         disaggregated=True,
         prefix_cache=w.prefix_cache,
-        shared_prefix_cache=w.shared_prefix_namespace is not None,
+        shared_prefix_cache=w.shared_prefix_cache,
     )
 
 
