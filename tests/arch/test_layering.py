@@ -1,4 +1,5 @@
-"""Layers import one way: faults <- kv <- model <- engine <- transfer <- serve / lab <- cli.
+"""Layers import one way: faults <- kv <- model <- engine <- transfer <- roles <- serve / lab
+<- cli.
 
 The audit sits beside them and reaches engines over HTTP only
 (tests/audit/test_audit_http_only.py). Every import counts, lazy ones inside a
@@ -21,7 +22,7 @@ SRC = Path(kvfence.__file__).parent
 UPWARD = ("kvfence.serve", "kvfence.lab", "kvfence.audit", "kvfence.cli", "kvfence.watch")
 NETWORK = ("zmq", "socket", "http", "urllib", "requests", "fastapi", "uvicorn", "aiohttp", "httpx")
 ENGINE_SIDE = ("kvfence.kv", "kvfence.model", "kvfence.engine", "kvfence.serve", "kvfence.lab")
-ENGINE_SIDE += ("kvfence.transfer", "kvfence.cli", "kvfence.watch", "torch")
+ENGINE_SIDE += ("kvfence.transfer", "kvfence.roles", "kvfence.cli", "kvfence.watch", "torch")
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "faults.py": ("kvfence", "torch", *NETWORK),
     "kv": ("kvfence.model", "kvfence.engine", "kvfence.transfer", *UPWARD, *NETWORK),
@@ -29,6 +30,8 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "engine": ("kvfence.transfer", *UPWARD, *NETWORK),
     # The transports move pages between pools: sockets yes, HTTP edge, lab and audit no.
     "transfer": UPWARD,
+    # The roles drive the engines over their KV halves; coordinators (serve) drive the roles.
+    "roles": UPWARD,
     # serve sits under the lab (which drives it) and the top-level CLI (which wires both).
     "serve": ("kvfence.lab", "kvfence.cli"),
     "lab": ("kvfence.cli",),

@@ -14,12 +14,9 @@ This worker's own refusal of a routed request goes to prefill the same way.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
-from kvfence.engine.counters import Counters
 from kvfence.engine.decode import DecodeEngine
-from kvfence.engine.kvlink import apply_transfer_events
 from kvfence.engine.messages import (
     Abort,
     BootstrapReady,
@@ -33,7 +30,8 @@ from kvfence.engine.messages import (
 )
 from kvfence.engine.routing import Room, Rooms, Stage
 from kvfence.faults import FaultSet
-from kvfence.kv.pool import PageHandle
+from kvfence.roles.control import DecodeInput
+from kvfence.roles.decode import DecodeRole
 from kvfence.serve.sglang.side import PAIR_TIMEOUT_S, Cancel, PairSide, Reject, Submit
 from kvfence.transfer.base import KVReceiver
 from kvfence.transfer.lab_holds import LabHold
@@ -53,35 +51,43 @@ class DecodeSide(PairSide):
         hold: LabHold | None = None,
         pair_timeout_s: float = PAIR_TIMEOUT_S,
     ) -> None:
-        super().__init__(engine.pool, reply_addr, [Failure, Abort, Queued, TransferDone])
+        driver = DecodeRole(engine, receiver, hold)
+        super().__init__(driver, reply_addr, [Failure, Abort, Queued, TransferDone])
+        self.driver: DecodeRole = driver
         self.pair_timeout_s = pair_timeout_s
-        self.engine = engine
-        self.receiver = receiver
-        receiver.notify(self.waker.set)  # a landed transfer is reconciled and decoded at once
+        driver.wake_on_landing(self.waker.set)  # a landed transfer is reconciled at once
         self.rooms = Rooms(faults)  # one end per request (I6), shared with the other backends
-        self.transfer_failures = 0
-        self.hold = hold  # the lab's `hold=FOLDER` switch: no step while the test holds decode
+        self._inputs: list[DecodeInput] = []  # for the role, this turn
 
     def iterate(self) -> None:
-        """The data flow: prefill's notes -> commands -> what landed (I3) -> step -> tokens."""
-        engine = self.engine
-        for msg in self.receive(engine.has_work):
+        self.driver.turn(self)
+
+    # ---- the role's control plane (roles/control.py), on the engine thread --------------
+
+    def receive(self, busy: bool) -> list[DecodeInput]:
+        """Prefill's notes, then this edge's commands, in order, for the role."""
+        for msg in self.poll(busy):
             self._from_prefill(msg)
         for cmd in self.commands():
             self._command(cmd)
-        for failure in apply_transfer_events(engine, self.receiver.poll()):
-            self.transfer_failures += 1  # cancelled, refused or its sender died
-            self._deliver(failure)
-        self.claim_cores(engine.has_work)
-        if engine.has_work and not (self.hold and self.hold.holds_step(bool(engine.running))):
-            engine.step()
-        out = engine.drain()
-        for ready in out.ready:
-            self._register(ready)  # a queued reservation got its pages
-        for event in out.events:
-            self._deliver(event)
+        inputs, self._inputs = self._inputs, []
+        return inputs
+
+    def ready(self, ready: BootstrapReady) -> None:
+        self._register(ready)
+
+    def refused(self, failure: Failure) -> None:
+        room = self.rooms.open.get(failure.room)
+        self._deliver(failure)
+        if room is not None:
+            self.send(room.prefill, failure)  # prefill ends its half with the same error
+
+    def event(self, event: TokenChunk | Failure) -> None:
+        self._deliver(event)
+
+    def turn_done(self, progressed: bool) -> None:
         self._expire(time.monotonic())
-        if not (engine.has_work or engine.rooms() or self.rooms.open):
+        if not (self.driver.busy or self.rooms.open):
             self.check_quiet()
 
     def _command(self, cmd: Submit | Reject | Cancel) -> None:
@@ -90,18 +96,13 @@ class DecodeSide(PairSide):
             if isinstance(boot, Failure):
                 cmd.sink(boot)
                 return
-            answer = self.engine.bootstrap(boot)
-            if isinstance(answer, BootstrapReady):
-                self._register(answer)
-            elif isinstance(answer, Failure):
-                self._deliver(answer)
-                self.send(cmd.work.peer, answer)  # prefill ends its half with the same error
+            self._inputs.append(boot)  # the role reserves its pages: `ready` or `refused`
         elif isinstance(cmd, Reject):
             self.send(cmd.binding.peer, Failure(cmd.binding.room, cmd.error))
         else:
             room = self.rooms.open.get(cmd.room)
             event = self.rooms.abort(cmd.room, cmd.reason)
-            self.engine.abort(cmd.room, cmd.reason)  # pages parked until prefill confirms (I7)
+            self._inputs.append(Abort(cmd.room, cmd.reason))  # pages parked until prefill (I7)
             if room is not None:
                 self.send(room.prefill, Failure(cmd.room, _aborted(cmd.reason)))
             if event is not None:
@@ -117,7 +118,7 @@ class DecodeSide(PairSide):
             tenant=work.tenant,
             num_prompt_tokens=len(work.prompt_ids),
             pages=ready.pages,
-            kv_address=self.receiver.address,
+            kv_address=self.driver.receiver.address,
             reply_addr=self.inbox.addr,
         )
         self.send(work.peer, reg)
@@ -132,41 +133,32 @@ class DecodeSide(PairSide):
                     f"prefill at {room.work.peer} did not send room {name}'s KV and said "
                     f"nothing of it for {self.pair_timeout_s:g} s (it stopped, or lost the room)"
                 )
-                self.engine.abort(name, why)
+                self.driver.abort(name, why)
                 self._deliver(Failure(name, ErrorInfo(504, "timeout", why, code="pair_timeout")))
 
     def _from_prefill(self, msg: Message) -> None:
         if isinstance(msg, Failure):  # prefill refused the room: its original error (I6)
-            self.engine.abort(msg.room, msg.error.message)
+            self._inputs.append(Abort(msg.room, msg.error.message))
             self._deliver(msg)
         elif isinstance(msg, Abort):
-            self.engine.abort(msg.room, msg.reason)
+            self._inputs.append(msg)
         elif isinstance(msg, Queued):  # prefill holds the room: its wait starts again
             room = self.rooms.open.get(msg.room)
             if room is not None and room.stage is Stage.TRANSFER:
                 room.deadline = time.monotonic() + self.pair_timeout_s
         elif isinstance(msg, TransferDone) and not msg.ok:
-            self.receiver.cancel(msg.room)  # prefill will never send: close the window (I7)
+            self._inputs.append(msg)  # prefill will never send: the role closes the window (I7)
 
     def _deliver(self, event: TokenChunk | Failure) -> None:
         room = self.rooms.target(event)
         if room is not None:
             room.sink(event)
 
-    # ---- facts -------------------------------------------------------------------------
-
-    def counters(self) -> Counters:
-        return dataclasses.replace(self.engine.counters, transfer_failures=self.transfer_failures)
-
-    def outstanding(self) -> list[PageHandle]:
-        return self.engine.outstanding_handles()
+    # ---- the engine failed ----------------------------------------------------------------
 
     def fail_all(self, why: str) -> None:
         for room in list(self.rooms.open):
             self._deliver(Failure(room, ErrorInfo(500, "server_error", why)))
-
-    def close(self) -> None:
-        self.receiver.close()
 
 
 def _aborted(reason: str) -> ErrorInfo:

@@ -17,12 +17,10 @@ decode's refusal arrives here as a `Failure` and ends this side's request.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 
 from kvfence.engine.backend import GenerateWork, Sink
-from kvfence.engine.counters import Counters
 from kvfence.engine.messages import (
     Abort,
     ErrorInfo,
@@ -35,7 +33,8 @@ from kvfence.engine.messages import (
 )
 from kvfence.engine.prefill import OutboundTransfer, PrefillEngine
 from kvfence.faults import Fault
-from kvfence.kv.pool import PageHandle
+from kvfence.roles.control import PrefillInput
+from kvfence.roles.prefill import PrefillRole
 from kvfence.serve.sglang.side import (
     KEEPALIVE_S,
     PAIR_TIMEOUT_S,
@@ -70,42 +69,49 @@ class PrefillSide(PairSide):
         bootstrap_addr: str,
         hold: LabHold | None = None,  # the lab's `hold=FOLDER` switch (lab_holds.py)
     ) -> None:
-        super().__init__(engine.pool, bootstrap_addr, [RoomRegistration, Failure])
-        self.engine = engine
-        self.transport = transport
+        driver = PrefillRole(engine, Senders(transport, hold))
+        super().__init__(driver, bootstrap_addr, [RoomRegistration, Failure])
+        self.driver: PrefillRole = driver
         self.pairs: dict[str, _Pair] = {}  # rooms waiting for their other half
         self.live: dict[str, tuple[Sink, RoomRegistration]] = {}  # paired rooms in the engine
         self.answered: set[str] = set()  # live rooms whose HTTP side has had its one end (I6)
-        self.senders = Senders(transport, hold)
-        self.transfer_failures = 0
         self.room_mismatches = 0
         self.pairs_by_room_alone = Fault.DECODE_TRUSTS_BOOTSTRAP in engine.faults  # lab only
         self.next_keepalive = 0.0
+        self._inputs: list[PrefillInput] = []  # for the role, this turn
 
     def iterate(self) -> None:
-        """The data flow: decode's notes -> this edge's commands -> pair -> step -> notes, KV."""
-        engine = self.engine
-        for msg in self.receive(engine.has_work or bool(self.live)):
+        self.driver.turn(self)
+
+    # ---- the role's control plane (roles/control.py), on the engine thread --------------
+
+    def receive(self, busy: bool) -> list[PrefillInput]:
+        """Decode's notes, then this edge's commands; rooms paired now go to the role."""
+        for msg in self.poll(busy or bool(self.live)):
             self._from_decode(msg)
         for cmd in self.commands():
             self._command(cmd)
         now = time.monotonic()
         self._expire(now)
         self._keepalive(now)
-        self.claim_cores(engine.has_work)
-        if engine.has_work:
-            engine.step()
-        out = engine.drain()
-        for failure in out.to_router:
-            self._end(failure.room, failure)  # the engine's refusal: decode gets it too
-        for note in out.to_decode:
-            self._tell_decode(note.room, note)
-        for t in out.transfers:
-            ok = self._send_kv(t)
-            engine.transfer_done(t.room, ok=ok)  # I7: only now may prefill free its pages
-            if ok:
-                self._finished(t)
-        if not (engine.has_work or self.live or self.pairs):
+        inputs, self._inputs = self._inputs, []
+        return inputs
+
+    def refused(self, failure: Failure) -> None:
+        self._end(failure.room, failure)  # the engine's refusal: decode gets it too
+
+    def note(self, note: Abort | TransferDone) -> None:
+        self._tell_decode(note.room, note)
+
+    def transfer_failed(self, failure: Failure) -> None:
+        self._end(failure.room, failure)
+        self._tell_decode(failure.room, TransferDone(failure.room, ok=False))  # nothing lands
+
+    def transferred(self, transfer: OutboundTransfer) -> None:
+        self._finished(transfer)
+
+    def turn_done(self, progressed: bool) -> None:
+        if not (self.driver.has_work or self.live or self.pairs):
             self.check_quiet()
 
     # ---- the two halves meet -----------------------------------------------------------
@@ -126,7 +132,7 @@ class PrefillSide(PairSide):
         elif isinstance(msg, Failure):  # decode refused or gave up the room: end this half too
             if msg.room in self.live:
                 self._answer(msg.room, msg)
-                self.engine.abort(msg.room, msg.error.message)  # decode hears TransferDone(False)
+                self._abort(msg.room, msg.error.message)  # decode hears TransferDone(False)
                 return
             pair = self._pair(msg.room)
             pair.failure = msg
@@ -143,7 +149,7 @@ class PrefillSide(PairSide):
             pair.failure = pair.failure or failure
             self._settle(cmd.binding.room, pair)
         elif cmd.room in self.live:
-            self.engine.abort(cmd.room, cmd.reason)  # decode hears TransferDone(ok=False)
+            self._abort(cmd.room, cmd.reason)  # decode hears TransferDone(ok=False)
         elif cmd.room in self.pairs:
             reason = f"request aborted: {cmd.reason}"
             self._pair(cmd.room).failure = Failure(cmd.room, ErrorInfo(499, "aborted", reason))
@@ -178,8 +184,11 @@ class PrefillSide(PairSide):
             pair.sink(failure)
             return
         self.live[room] = (pair.sink, reg)
-        self.engine.submit(work.prefill_work(reg.pages, reg.kv_address))
+        self._inputs.append(work.prefill_work(reg.pages, reg.kv_address))  # KV to reg's address
         self.send(reg.reply_addr, Queued(room))  # decode now waits on this side's word
+
+    def _abort(self, room: str, reason: str) -> None:
+        self._inputs.append(Abort(room, reason))
 
     def _keepalive(self, now: float) -> None:
         """Every paired room still here is still held: decode's wait for it restarts."""
@@ -237,38 +246,10 @@ class PrefillSide(PairSide):
         self._answer(t.room, TokenChunk(t.room, (t.first_token,), finish_reason="length"))
         self._close(t.room)
 
-    def _send_kv(self, t: OutboundTransfer) -> bool:
-        entry = self.live.get(t.room)
-        addr = entry[1].kv_address if entry is not None else ""
-        why = self.senders.send(addr, t, self.pool)
-        if why is None:
-            return True
-        self.transfer_failures += 1
-        self._end(t.room, Failure(t.room, ErrorInfo(502, "transfer_failed", why)))
-        self._tell_decode(t.room, TransferDone(t.room, ok=False))  # nothing more will land
-        return False
-
-    # ---- facts -------------------------------------------------------------------------
-
-    def counters(self) -> Counters:
-        cache = self.engine.cache
-        return dataclasses.replace(
-            self.engine.counters,
-            prefix_cache_queried_tokens=cache.queried_tokens,
-            prefix_cache_hit_tokens=cache.hit_tokens,
-            transfer_failures=self.transfer_failures,
-        )
-
-    def outstanding(self) -> list[PageHandle]:
-        return self.engine.outstanding_handles()
-
-    def evictable_pages(self) -> int:
-        return self.engine.cache.num_evictable  # a count kept as references change: no walk
+    # ---- the engine failed ----------------------------------------------------------------
 
     def fail_all(self, why: str) -> None:
         for room in list(self.live):
+            self.driver.forget(room)  # a transfer the failed engine still makes goes nowhere
             self._end(room, Failure(room, ErrorInfo(500, "server_error", why)))
             self._tell_decode(room, TransferDone(room, ok=False))
-
-    def close(self) -> None:
-        self.senders.close()

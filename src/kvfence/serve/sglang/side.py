@@ -1,9 +1,10 @@
 """What both halves of a pair share: one engine thread, a command queue, the bootstrap channel.
 
 The HTTP server's threads only queue commands (submit, reject, abort); one
-engine thread runs the role's loop (`iterate`), so the engine, the KV
-transport and every ZeroMQ socket are used from that thread only. Events
-reach each request's sink from that thread (engine/backend.py's contract).
+engine thread turns the role (kvfence/roles) with this side as its coordinator
+(`iterate`), so the engine, the KV transport and every ZeroMQ socket are used
+from that thread only. Events reach each request's sink from that thread
+(engine/backend.py's contract).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import zmq
 from kvfence.engine.backend import BackendStats, GenerateWork, PoolInfo, Sink
 from kvfence.engine.counters import Counters
 from kvfence.engine.messages import ErrorInfo, Message
-from kvfence.kv.pool import KVPool, PageHandle
+from kvfence.roles.decode import DecodeRole
+from kvfence.roles.prefill import PrefillRole
 from kvfence.serve.channel import Inbox, Outbox, Waker
 from kvfence.serve.sglang.cores import CoreShare
 from kvfence.serve.sglang.fields import RoomBinding
@@ -59,8 +61,11 @@ class PairSide(ABC):
 
     role = ""
 
-    def __init__(self, pool: KVPool, inbox_addr: str, accepts: list[type]) -> None:
-        self.pool = pool
+    def __init__(
+        self, driver: PrefillRole | DecodeRole, inbox_addr: str, accepts: list[type]
+    ) -> None:
+        self.driver = driver  # the role: its engine, pool and KV half (kvfence/roles)
+        self.pool = driver.pool
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.inbox = Inbox(self.ctx, inbox_addr, accepts)
         self.waker = Waker()  # set by other threads (a command, a landed transfer): no idle wait
@@ -126,7 +131,7 @@ class PairSide(ABC):
 
     def evictable_pages(self) -> int:
         """Pages only a prefix cache holds (PoolInfo.pages_cached); a role without one: 0."""
-        return 0
+        return self.driver.evictable_pages()
 
     # ---- the engine thread ---------------------------------------------------------------
 
@@ -141,13 +146,13 @@ class PairSide(ABC):
             self._commands.clear()
         return out
 
-    def claim_cores(self, busy: bool) -> None:
+    def stepping(self, busy: bool) -> None:
         """Before the turn's step (engine thread): its intra-op threads, where a stack shares
         the host's cores between its workers (cores.py); otherwise the fixed setting stands."""
         if self.cores is not None:
             self.cores.stepping(busy)
 
-    def receive(self, busy: bool) -> list[Message]:
+    def poll(self, busy: bool) -> list[Message]:
         return self.inbox.poll(0 if busy else IDLE_POLL_MS)
 
     def send(self, addr: str, msg: Message) -> None:
@@ -170,29 +175,21 @@ class PairSide(ABC):
 
     def check_quiet(self) -> None:
         """The ledger check at a quiet point (I1/I5/I7 bookkeeping), for /server_info."""
-        try:
-            self.pool.check_integrity(self.outstanding())
-            self.integrity = "ok"
-        except AssertionError as e:
-            self.integrity = f"integrity check failed: {e}"
+        self.integrity = self.driver.check_ledger()
+
+    def counters(self) -> Counters:
+        return self.driver.counters()
+
+    def close(self) -> None:
+        """Close the role's transport half."""
+        self.driver.close()
 
     # ---- per role ------------------------------------------------------------------------
 
     @abstractmethod
     def iterate(self) -> None:
-        """One turn of the role's loop (engine thread)."""
-
-    @abstractmethod
-    def counters(self) -> Counters: ...
-
-    @abstractmethod
-    def outstanding(self) -> list[PageHandle]:
-        """Every handle the engine holds (for `pool.check_integrity`)."""
+        """One turn of the role's loop (engine thread): the role, driven by this side."""
 
     @abstractmethod
     def fail_all(self, why: str) -> None:
         """The engine loop raised: end every open request with an error (I6)."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Close the role's transport half."""

@@ -1,0 +1,102 @@
+"""The decode role: bootstraps in, what landed (I3), one step, tokens out.
+
+The role owns the decode engine, its pool and the KV receiver. Its coordinator
+hands it `Bootstrap`, `Abort` and prefill's `TransferDone(ok=False)`, and hears
+back reservations, refusals and token events. What landed is reconciled
+against the room's reservation before a token is decoded (I3); a room whose
+transfer ended without landing fails (I6) and its window closes (I7).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from kvfence.engine.counters import Counters
+from kvfence.engine.decode import DecodeEngine
+from kvfence.engine.kvlink import apply_transfer_events
+from kvfence.engine.messages import Abort, Bootstrap, BootstrapReady, Failure, TransferDone
+from kvfence.kv.pool import KVPool, PageHandle
+from kvfence.roles.control import DecodeControl, DecodeInput
+from kvfence.roles.prefill import ledger_check
+from kvfence.transfer.base import KVReceiver
+from kvfence.transfer.lab_holds import LabHold
+
+
+class DecodeRole:
+    def __init__(
+        self,
+        engine: DecodeEngine,
+        receiver: KVReceiver,
+        hold: LabHold | None = None,  # the lab's `hold=FOLDER` switch: no step while held
+    ) -> None:
+        self.engine = engine
+        self.receiver = receiver
+        self.hold = hold
+        self.transfer_failures = 0
+
+    @property
+    def pool(self) -> KVPool:
+        return self.engine.pool
+
+    def wake_on_landing(self, wake: Callable[[], None]) -> None:
+        """A landed transfer ends the coordinator's idle wait: it is decoded at once."""
+        self.receiver.notify(wake)
+
+    def turn(self, control: DecodeControl) -> None:
+        """receive -> what landed (I3) -> step -> ready and tokens, then the pacing."""
+        engine = self.engine
+        for msg in control.receive(engine.has_work):
+            self.take(msg, control)
+        for failure in apply_transfer_events(engine, self.receiver.poll()):
+            self.transfer_failures += 1  # cancelled, refused or its sender died
+            control.event(failure)
+        control.stepping(engine.has_work)
+        if engine.has_work and not (self.hold and self.hold.holds_step(bool(engine.running))):
+            engine.step()
+        out = engine.drain()
+        for ready in out.ready:
+            control.ready(ready)  # a queued reservation got its pages
+        for event in out.events:
+            control.event(event)
+        control.turn_done(bool(out))
+
+    def take(self, msg: DecodeInput, control: DecodeControl) -> None:
+        if isinstance(msg, Bootstrap):
+            answer = self.engine.bootstrap(msg)  # None: queued until pages free up
+            if isinstance(answer, BootstrapReady):
+                control.ready(answer)
+            elif isinstance(answer, Failure):
+                control.refused(answer)
+        elif isinstance(msg, Abort):
+            self.engine.abort(msg.room, msg.reason)  # pages parked until prefill confirms (I7)
+        elif isinstance(msg, TransferDone) and not msg.ok:
+            self.receiver.cancel(msg.room)  # prefill will never send: close the window (I7)
+
+    def abort(self, room: str, reason: str) -> None:
+        self.engine.abort(room, reason)
+
+    # ---- facts for the coordinator's status and health --------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """Work in the engine, or a room still reserved or decoding."""
+        return self.engine.has_work or bool(self.engine.rooms())
+
+    def open_rooms(self) -> list[str]:
+        return self.engine.rooms()
+
+    def counters(self) -> Counters:
+        return dataclasses.replace(self.engine.counters, transfer_failures=self.transfer_failures)
+
+    def evictable_pages(self) -> int:
+        return 0  # decode keeps no prefix cache
+
+    def outstanding(self) -> list[PageHandle]:
+        return self.engine.outstanding_handles()
+
+    def check_ledger(self) -> str:
+        return ledger_check(self.pool, self.outstanding())
+
+    def close(self) -> None:
+        self.receiver.close()
