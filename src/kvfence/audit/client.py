@@ -9,6 +9,10 @@ Contract:
 - Network trouble is *not* an exception: it comes back as a `ProbeResponse`
   with `status=None` and `error` set, so a check decides (fail closed:
   usually inconclusive).
+- With a `Pacing` (the statistical checks' clients), an availability failure
+  (a 503, no HTTP answer) is sent again within it (`kvfence.audit.pacing`): the
+  check judges only the answer that came back in the end, the failures before
+  it on record. Without one, every answer is the check's to judge.
 - A `ProbeResponse` keeps everything the server sent: the full body text
   (error bodies included) and, for streams, every raw SSE chunk, so the
   canary check can search all of it.
@@ -18,12 +22,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import httpx
 
 from kvfence.audit.budget import Budget
+from kvfence.audit.pacing import Pacing, RetryAllowance, unavailable_reason
 from kvfence.audit.probe_response import ProbeResponse, absorb_openai
 
 __all__ = ["OPERATOR_PATHS", "ProbeClient", "ProbeResponse"]
@@ -48,6 +53,7 @@ class ProbeClient:
         model: str | None = None,
         transport: httpx.BaseTransport | None = None,
         operator_key: str | None = None,
+        pacing: Pacing | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
@@ -57,6 +63,7 @@ class ProbeClient:
         self.operator_key = operator_key
         self.budget = budget
         self.timeout_s = timeout_s
+        self.retry = RetryAllowance(pacing if pacing is not None else Pacing(retries=0))
         # The model name sent with generation requests; a target adapter sets
         # it from /v1/models. None → the field is omitted.
         self.model = model
@@ -84,7 +91,29 @@ class ProbeClient:
     ) -> ProbeResponse:
         return self._send("POST", path, payload, timeout_s)
 
+    def _paced(self, send: Callable[[], ProbeResponse]) -> ProbeResponse:
+        """`send` until an answer comes back that is not an availability failure, or the
+        pacing allows no further try (then the last failure comes back, as it is)."""
+        seen: list[str] = []
+        attempt = 0
+        while True:
+            resp = send()
+            why = unavailable_reason(resp.status, resp.error)
+            if why is None or not self.retry.allows(attempt):
+                resp.unavailable = seen
+                return resp
+            pause = min(self.retry.pacing.pause_s(attempt), self.budget.remaining_s)
+            self.retry.spend(resp.total_s + pause)
+            seen.append(f"{why} after {resp.total_s:.1f} s")
+            time.sleep(pause)
+            attempt += 1
+
     def _send(
+        self, method: str, path: str, payload: dict[str, Any] | None, timeout_s: float | None
+    ) -> ProbeResponse:
+        return self._paced(lambda: self._send_once(method, path, payload, timeout_s))
+
+    def _send_once(
         self, method: str, path: str, payload: dict[str, Any] | None, timeout_s: float | None
     ) -> ProbeResponse:
         self.budget.charge()
@@ -175,6 +204,11 @@ class ProbeClient:
         return self._stream(path, payload, timeout_s)
 
     def _stream(self, path: str, payload: dict[str, Any], timeout_s: float | None) -> ProbeResponse:
+        return self._paced(lambda: self._stream_once(path, payload, timeout_s))
+
+    def _stream_once(
+        self, path: str, payload: dict[str, Any], timeout_s: float | None
+    ) -> ProbeResponse:
         self.budget.charge()
         resp = ProbeResponse(method="POST", path=path, request=dict(payload))
         timeout = self.budget.timeout_for(timeout_s or self.timeout_s)

@@ -47,6 +47,7 @@ from kvfence.audit.base import (
     Verdict,
 )
 from kvfence.audit.client import ProbeClient
+from kvfence.audit.pacing import Pacing
 from kvfence.audit.targets.base import Target
 
 ProgressFn = Callable[[str, float | None], None]
@@ -69,6 +70,9 @@ class AuditContext:
       from `rng` so a run is reproducible.
     - `progress(message, fraction_or_None)`: report long work; cheap to call.
     - `request_timeout_s`: per request, further capped by the budget's time.
+    - `pacing`: how a paced client (`client(..., paced=True)`, the statistical checks')
+      retries a 503 or a request that got no answer; the other checks read those as
+      answers (a pool that ran out, a refusal), so theirs never retry.
     - `alpha`: the family-wise false-alarm rate per target; `statistical` the
       statistical checks this run includes. `alpha_for(check)` is one check's
       Bonferroni share, so the chance that any of them fails an honest target
@@ -85,13 +89,14 @@ class AuditContext:
     progress: ProgressFn = _no_progress
     quiet: bool = False
     request_timeout_s: float = 120.0
+    pacing: Pacing = field(default_factory=Pacing)
     alpha: float = DEFAULT_ALPHA
     statistical: tuple[str, ...] = STATISTICAL_CHECKS
     # Worker URLs to probe beside the target's own (`--worker`): a fleet's nodes that a
     # router does not list, or lists only to its operator.
     workers: tuple[str, ...] = ()
     rng: random.Random = field(init=False)
-    _clients: dict[tuple[str, str], ProbeClient] = field(init=False, default_factory=dict)
+    _clients: dict[tuple[str, str, bool], ProbeClient] = field(init=False, default_factory=dict)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -108,15 +113,16 @@ class AuditContext:
     def key(self, tenant: Tenant) -> str | None:
         return self.key_a if tenant == "a" else self.key_b
 
-    def client(self, target: Target, tenant: Tenant = "a") -> ProbeClient:
-        """The (cached, thread-safe) HTTP client for `tenant` on `target`."""
-        return self.client_for_url(target.url, tenant)
+    def client(self, target: Target, tenant: Tenant = "a", *, paced: bool = False) -> ProbeClient:
+        """The (cached, thread-safe) HTTP client for `tenant` on `target`; `paced`: one that
+        retries availability failures within `pacing`."""
+        return self.client_for_url(target.url, tenant, paced=paced)
 
-    def client_for_url(self, url: str, tenant: Tenant = "a") -> ProbeClient:
+    def client_for_url(self, url: str, tenant: Tenant = "a", *, paced: bool = False) -> ProbeClient:
         """The same client by URL (engine detection runs before a `Target` exists)."""
         url = url.rstrip("/")
         with self._lock:
-            cached = self._clients.get((url, tenant))
+            cached = self._clients.get((url, tenant, paced))
             if cached is None:
                 cached = ProbeClient(
                     url,
@@ -124,8 +130,9 @@ class AuditContext:
                     budget=self.budget,
                     timeout_s=self.request_timeout_s,
                     operator_key=self.operator_key,
+                    pacing=self.pacing if paced else None,
                 )
-                self._clients[(url, tenant)] = cached
+                self._clients[(url, tenant, paced)] = cached
             return cached
 
     def close(self) -> None:

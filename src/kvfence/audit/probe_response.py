@@ -22,6 +22,9 @@ class ProbeResponse:
       the prefill time seen by the client). `total_s`: until the body ended.
     - `finish_reasons` per choice; `logprobs`: the raw `logprobs` of choice 0.
     - `json`: the parsed body for non-stream responses (None if not JSON).
+    - `unavailable`: why each earlier try of this request was not an answer (a 503, no HTTP
+      answer) before the client sent it again (`kvfence.audit.pacing`); empty when the
+      first try is the one here.
     """
 
     method: str
@@ -38,6 +41,7 @@ class ProbeResponse:
     logprobs: Any = None
     json: Any = None
     error: str | None = None
+    unavailable: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -118,6 +122,7 @@ class ProbeResponse:
             "usage": self.usage,
             "ttft_s": self.ttft_s,
             "total_s": round(self.total_s, 4),
+            **({"unavailable_before": self.unavailable} if self.unavailable else {}),
         }
 
 
