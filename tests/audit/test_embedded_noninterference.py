@@ -27,7 +27,9 @@ def test_lab_fails_and_hardened_passes_noninterference_with_the_default_load() -
     assert lab.verdict is Verdict.FAIL, lab.summary
     ev: Any = lab.evidence
     loaded = ev["under_load"]["per_probe"][str(len(ev["probe_tokens"]) - 1)]  # the long probe
-    assert loaded["diverged"] >= loaded["answers"] - 1 >= 9, loaded
+    # The phase stops once the FAIL is certain (`curtail`): by then the long probe has
+    # diverged on every repeat under load but at most one.
+    assert loaded["diverged"] >= loaded["answers"] - 1 >= 3, loaded
     assert ev["baseline"]["diverged"] == 0
     assert hardened.verdict is Verdict.PASS, hardened.summary
     for res in (lab, hardened):

@@ -27,6 +27,7 @@ from dataclasses import replace
 
 from kvfence.audit.alpha import fisher_repeats_for
 from kvfence.audit.base import CheckResult, JSONValue, Verdict
+from kvfence.audit.checks.noninterference.curtail import decided
 from kvfence.audit.checks.noninterference.probes import Load, NoninterferenceConfig, Probes, Tally
 from kvfence.audit.contract import AuditContext, Check
 from kvfence.audit.stats import DivergenceTest, divergence_excess
@@ -76,7 +77,10 @@ class NoninterferenceCheck(Check):
 
     def run(self, ctx: AuditContext, target: Target) -> CheckResult:
         """B's references -> B's repeats alone -> B's repeats under A's load -> Fisher test."""
-        client_a, client_b = ctx.client(target, "a"), ctx.client(target, "b")
+        client_a, client_b = (
+            ctx.client(target, "a", paced=True),
+            ctx.client(target, "b", paced=True),
+        )
         target.facts(client_a)
         facts = target.facts(client_b)
         lengths, how = probe_lengths(self.config, facts, ctx.context_override)
@@ -96,13 +100,20 @@ class NoninterferenceCheck(Check):
         probes.references(all_prompts[1:])
         alone = probes.tally(ctx, "noninterference: baseline")
         load = Load(client_a, cfg, rng)
-        loaded = probes.under_load(ctx, load)
+        alpha = cfg.alpha or 0.0  # set by _sized
+
+        def stop(tally: Tally, rounds_left: int) -> str | None:
+            return decided(alpha, alone, tally, rounds_left)
+
+        loaded = probes.under_load(ctx, load, stop)
         result = self._verdict(target, cfg, alone, loaded, load, probes.logprobs is not None)
         result.evidence["probe_tokens"] = [len(p) for p in probes.prompts]
         result.evidence["probe_lengths_from"] = how
         result.evidence["dropped_probes"] = probes.dropped
         ids = {"range": list(cfg.token_range), "vocab_size": facts.vocab_size.to_json()}
         result.evidence["token_ids"] = ids
+        # 503s and timeouts: retried, never counted as divergent or as agreeing.
+        result.evidence["pacing"] = {"a": client_a.retry.to_json(), "b": client_b.retry.to_json()}
         result.alpha, p = cfg.alpha, result.evidence.get("p_value")
         result.p_value = p if isinstance(p, float) else None
         return result
@@ -146,6 +157,11 @@ class NoninterferenceCheck(Check):
             f"divergence alone {alone.diverged}/{alone.total}, under A's load "
             f"{loaded.diverged}/{loaded.total} ({load.ok} A requests)"
         )
+        if loaded.stopped_early is not None:
+            rates += (
+                f"; stopped after {loaded.rounds} of {cfg.repeats} rounds under load: "
+                f"{loaded.stopped_early}"
+            )
         if worst_t.p_value < per_test_alpha:
             why = _depends(worst_i, worst_t, per_test_alpha)
             return self.result(target, Verdict.FAIL, f"{why}; {rates}", evidence)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,6 +107,8 @@ class Tally:
     examples: list[dict[str, Any]] = field(default_factory=list)
     errors: list[dict[str, Any]] = field(default_factory=list)
     per_probe: dict[int, list[int]] = field(default_factory=dict)  # probe -> [answers, diverged]
+    stopped_early: str | None = None  # why the planned repeats were not all needed
+    rounds: int = 0  # rounds sent (every probe once per round)
 
     def record(self, probe: int, ref: Answer, resp: ProbeResponse) -> None:
         if not resp.ok:
@@ -146,6 +149,8 @@ class Tally:
             "examples": self.examples,
             "errors": self.errors[:3],
             "error_count": len(self.errors),
+            "rounds": self.rounds,
+            "stopped_early": self.stopped_early,
         }
 
 
@@ -268,9 +273,16 @@ class Probes:
             else:
                 self.dropped.append({"prompt_tokens": len(prompt), **ref.brief()})
 
-    def tally(self, ctx: AuditContext, phase: str, load: Load | None = None) -> Tally:
+    def tally(
+        self,
+        ctx: AuditContext,
+        phase: str,
+        load: Load | None = None,
+        stop: Callable[[Tally, int], str | None] | None = None,
+    ) -> Tally:
         """Every probe, `repeats` times, against its reference; under `load`, each repeat
-        only after an A request ended since B's previous answer (`Load`)."""
+        only after an A request ended since B's previous answer (`Load`). After each round,
+        `stop(tally, rounds left)` may end the phase, saying why (`curtail.decided`)."""
         tally = Tally()
         ctx.progress(phase, 0.0)
         mark = load.mark() if load is not None else 0
@@ -280,15 +292,22 @@ class Probes:
                     load.waits_timed_out += 1
                 tally.record(i, self.refs[i], self.send(prompt))
                 mark = load.mark() if load is not None else 0
+            tally.rounds = rep + 1
             ctx.progress(phase, (rep + 1) / self.cfg.repeats)
+            if stop is not None:
+                tally.stopped_early = stop(tally, self.cfg.repeats - rep - 1)
+                if tally.stopped_early is not None:
+                    break
         return tally
 
-    def under_load(self, ctx: AuditContext, load: Load) -> Tally:
+    def under_load(
+        self, ctx: AuditContext, load: Load, stop: Callable[[Tally, int], str | None] | None = None
+    ) -> Tally:
         with ThreadPoolExecutor(max_workers=self.cfg.load_concurrency) as pool:
             futures = [pool.submit(load.worker, s) for s in load.seeds]
             try:
                 load.running.wait(timeout=ctx.request_timeout_s)
-                loaded = self.tally(ctx, "noninterference: under load", load)
+                loaded = self.tally(ctx, "noninterference: under load", load, stop)
             finally:
                 load.stop.set()
             for f in futures:
