@@ -90,10 +90,12 @@ class TreeMeter:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def read(self) -> Reading:
-        t0 = time.perf_counter()
-        stats = read_stats()
-        at = (t0 + time.perf_counter()) / 2  # a scan takes a few ms on a busy host
+        # One read at a time, scan included: a scan older than the state it updates could
+        # bring back a member already settled as gone and count it twice.
         with self._lock:
+            t0 = time.perf_counter()
+            stats = read_stats()
+            at = (t0 + time.perf_counter()) / 2  # a scan takes a few ms on a busy host
             now = self._members(stats)
             self._settle_gone(now, stats)
             self._live = now
@@ -180,7 +182,7 @@ class Sampling:
 
     def read(self) -> Reading:
         r = self.meter.read()
-        self.readings.append(r)  # list.append is atomic; readings stay in time order
+        self.readings.append(r)  # two threads append: `interpolate` sorts by time
         return r
 
     def cpu_at(self, at: float) -> float:

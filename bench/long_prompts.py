@@ -92,7 +92,7 @@ class Row:
         return (
             f"  {self.engine:10s} prompt={self.length:5d} ttft_p50_ms={self.ttft_ms:9.1f} "
             f"cpu_s_p50={self.cpu_s:7.2f} cores={self.cores:4.2f} "
-            f"decode_tok_s={self.decode_tok_s:7.1f} errors={self.errors}{gone} "
+            f"decode_tok_s={self.decode_tok_s:7.2f} errors={self.errors}{gone} "
             f"load1={self.load1:.1f}"
         )
 
