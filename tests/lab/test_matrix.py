@@ -4,16 +4,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from kvfence.cli import main
 from kvfence.faults import Fault
-from kvfence.lab.matrix import run_matrix
+from kvfence.lab.matrix import MatrixRow, run_matrix
 from kvfence.lab.scenario import Outcome
 
 
-def test_leak_only_with_every_defence_off(lab_checkpoint: Path) -> None:
-    rows = run_matrix(lab_checkpoint, seed=3)
+@pytest.fixture(scope="module")
+def rows(lab_checkpoint: Path) -> list[MatrixRow]:
+    """All 16 rows, run once: each is its own fresh server and holds no state the tests change,
+    so the claims below read the same rows (the CLI's own run is the third test's)."""
+    return run_matrix(lab_checkpoint, seed=3)
+
+
+def test_leak_only_with_every_defence_off(rows: list[MatrixRow]) -> None:
     assert len(rows) == 16
     by_defences = {row.defences_on: row for row in rows}
     incident = by_defences[frozenset()]
@@ -32,10 +39,11 @@ def test_leak_only_with_every_defence_off(lab_checkpoint: Path) -> None:
             assert row.result.b.status >= 400 and row.result.b.body["error"]["message"]
 
 
-def test_each_single_defence_names_its_own_error(lab_checkpoint: Path) -> None:
+def test_each_single_defence_names_its_own_error(rows: list[MatrixRow]) -> None:
     """Which defence stopped it is visible in the error the client receives."""
-    rows = {r.defences_on: r for r in run_matrix(lab_checkpoint, seed=5) if len(r.defences_on) == 1}
-    msg = {next(iter(k)): r.result.b.body["error"]["message"] for k, r in rows.items()}
+    singles = {r.defences_on: r for r in rows if len(r.defences_on) == 1}
+    assert len(singles) == 4
+    msg = {next(iter(k)): r.result.b.body["error"]["message"] for k, r in singles.items()}
     assert "max_req_input_len" in msg[Fault.UNDERSIZED_POOL]  # I4: the edge limit
     assert (
         "prefill pool holds at most" in msg[Fault.ABORT_NOT_TERMINAL]

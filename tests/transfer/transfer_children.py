@@ -1,4 +1,4 @@
-"""Prefill-side helpers for the transfer tests: run in a spawned process (or a thread for in-process).
+"""Prefill-side helpers for the transfer tests: run in a child process (or a thread for in-process).
 
 Jobs describe what the sender is asked to do, including wire faults applied
 to the prepared `Outgoing` between `prepare` and `transmit` (what corruption,
