@@ -35,6 +35,7 @@ from kvfence.engine.prefill import OutboundTransfer, PrefillEngine
 from kvfence.faults import Fault
 from kvfence.roles.control import PrefillInput
 from kvfence.roles.prefill import PrefillRole
+from kvfence.serve.sglang.keepalive import KeepAlive
 from kvfence.serve.sglang.side import (
     KEEPALIVE_S,
     PAIR_TIMEOUT_S,
@@ -68,6 +69,7 @@ class PrefillSide(PairSide):
         transport: KVTransport,
         bootstrap_addr: str,
         hold: LabHold | None = None,  # the lab's `hold=FOLDER` switch (lab_holds.py)
+        keepalive_s: float = KEEPALIVE_S,
     ) -> None:
         driver = PrefillRole(engine, Senders(transport, hold))
         super().__init__(driver, bootstrap_addr, [RoomRegistration, Failure])
@@ -77,8 +79,16 @@ class PrefillSide(PairSide):
         self.answered: set[str] = set()  # live rooms whose HTTP side has had its one end (I6)
         self.room_mismatches = 0
         self.pairs_by_room_alone = Fault.DECODE_TRUSTS_BOOTSTRAP in engine.faults  # lab only
-        self.next_keepalive = 0.0
+        self.keepalive = KeepAlive(self.ctx, keepalive_s)  # says `Queued` for `live` rooms
         self._inputs: list[PrefillInput] = []  # for the role, this turn
+
+    def start(self) -> None:
+        super().start()
+        self.keepalive.start()
+
+    def close(self) -> None:
+        self.keepalive.stop()  # its sockets close before the context ends
+        super().close()
 
     def iterate(self) -> None:
         self.driver.turn(self)
@@ -91,9 +101,7 @@ class PrefillSide(PairSide):
             self._from_decode(msg)
         for cmd in self.commands():
             self._command(cmd)
-        now = time.monotonic()
-        self._expire(now)
-        self._keepalive(now)
+        self._expire(time.monotonic())
         inputs, self._inputs = self._inputs, []
         return inputs
 
@@ -184,19 +192,12 @@ class PrefillSide(PairSide):
             pair.sink(failure)
             return
         self.live[room] = (pair.sink, reg)
+        self.keepalive.hold(room, reg.reply_addr)  # decode's wait restarts, even mid-step
         self._inputs.append(work.prefill_work(reg.pages, reg.kv_address))  # KV to reg's address
         self.send(reg.reply_addr, Queued(room))  # decode now waits on this side's word
 
     def _abort(self, room: str, reason: str) -> None:
         self._inputs.append(Abort(room, reason))
-
-    def _keepalive(self, now: float) -> None:
-        """Every paired room still here is still held: decode's wait for it restarts."""
-        if now < self.next_keepalive:
-            return
-        self.next_keepalive = now + KEEPALIVE_S
-        for room, (_, reg) in self.live.items():
-            self.send(reg.reply_addr, Queued(room))
 
     def _expire(self, now: float) -> None:
         for room, pair in list(self.pairs.items()):
@@ -233,6 +234,7 @@ class PrefillSide(PairSide):
 
     def _close(self, room: str) -> None:
         self.live.pop(room, None)
+        self.keepalive.release(room)
         self.answered.discard(room)
 
     def _end(self, room: str, failure: Failure) -> None:

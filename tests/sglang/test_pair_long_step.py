@@ -1,0 +1,108 @@
+"""A paired room outlives a prefill step longer than decode's pair wait.
+
+Decode fails a room whose prefill half says nothing for the wait (504
+pair_timeout). Prefill says it still holds the room (`Queued`) from a thread
+of its own, so one long step -- a long prompt, a host under load -- cannot
+silence it. Here both halves are real sides in one process (tiny model, TCP
+KV transport, the bootstrap channel over loopback); prefill's model sleeps
+before each forward so that its one step lasts three waits.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvfence.engine.backend import GenerateWork
+from kvfence.engine.decode import DecodeEngine
+from kvfence.engine.messages import Failure, SamplingParams, TokenChunk
+from kvfence.engine.prefill import PrefillEngine
+from kvfence.faults import FaultSet
+from kvfence.kv.pool import KVPool
+from kvfence.model.base import CausalLM, ForwardBatch
+from kvfence.model.loader import load_model
+from kvfence.serve.sglang.decode import DecodeSide
+from kvfence.serve.sglang.prefill import PrefillSide
+from kvfence.serve.specs import WorkerSpec, engine_config
+from kvfence.transfer.registry import get_transport
+
+WAIT_S = 1.5  # decode's pair wait (the real one is 30 s)
+KEEPALIVE_S = 0.25  # prefill's word, well inside the wait (the real one is 5 s)
+STEP_S = 3 * WAIT_S  # prefill's one step: three waits long
+
+
+class SlowForward(CausalLM):
+    """The real model, each forward started `delay_s` late (a step as long as the test needs)."""
+
+    def __init__(self, inner: CausalLM, delay_s: float) -> None:
+        super().__init__()
+        self.inner = inner
+        self.delay_s = delay_s
+
+    def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        time.sleep(self.delay_s)
+        return self.inner.forward(batch, pool)
+
+    def forward_many(self, parts: Sequence[tuple[ForwardBatch, KVPool]]) -> list[torch.Tensor]:
+        time.sleep(self.delay_s)
+        return self.inner.forward_many(parts)
+
+
+@pytest.fixture
+def pair(sgl_checkpoint: Path) -> Iterator[tuple[PrefillSide, DecodeSide]]:
+    loaded = load_model(str(sgl_checkpoint), kind="mirror")
+    ckpt, inbox = str(sgl_checkpoint), "tcp://127.0.0.1:0"
+    p_config = engine_config(WorkerSpec("prefill", ckpt, "mirror", inbox, "", kv_pages=64), loaded)
+    d_config = engine_config(WorkerSpec("decode", ckpt, "mirror", inbox, "", kv_pages=64), loaded)
+    geometry = loaded.config.kv_geometry(page_size=p_config.page_size)
+    slow = SlowForward(loaded.model, STEP_S)
+    p_pool = KVPool(geometry, p_config.prefill_pages)
+    p_engine = PrefillEngine(slow, p_pool, p_config, FaultSet())
+    prefill = PrefillSide(
+        p_engine, get_transport("tcp"), "tcp://127.0.0.1:0", keepalive_s=KEEPALIVE_S
+    )
+    transport = get_transport("tcp", host="127.0.0.1")
+    d_pool = transport.create_pool(geometry, d_config.decode_pages)
+    receiver = transport.receiver(d_pool)
+    d_engine = DecodeEngine(loaded.model, d_pool, d_config, FaultSet(), inbound=receiver)
+    decode = DecodeSide(d_engine, receiver, "tcp://127.0.0.1:0", FaultSet(), pair_timeout_s=WAIT_S)
+    prefill.start()
+    decode.start()
+    yield prefill, decode
+    decode.stop()
+    prefill.stop()
+
+
+def test_a_prefill_step_longer_than_the_pair_wait_does_not_expire_the_room(
+    pair: tuple[PrefillSide, DecodeSide],
+) -> None:
+    prefill, decode = pair
+    work = GenerateWork(
+        room="room-1",
+        tenant="tenant-a",
+        prompt_ids=tuple(range(20, 52)),
+        sampling=SamplingParams(max_tokens=4),
+        cache_namespace="tenant-a",
+        peer=prefill.inbox.addr,
+    )
+    at_prefill: queue.Queue[TokenChunk | Failure] = queue.Queue()
+    at_decode: queue.Queue[TokenChunk | Failure] = queue.Queue()
+    started = time.monotonic()
+    prefill.submit(work, at_prefill.put)
+    decode.submit(work, at_decode.put)
+    tokens: list[int] = []
+    while True:
+        event = at_decode.get(timeout=10 * STEP_S)
+        assert not isinstance(event, Failure), event  # a 504 pair_timeout before the fix
+        tokens += event.token_ids
+        if event.finish_reason is not None:
+            break
+    assert time.monotonic() - started >= STEP_S  # the step really outlasted the wait
+    assert tokens == list(range(20, 24)), tokens  # the mirror model echoes the prompt
+    first = at_prefill.get(timeout=10)
+    assert isinstance(first, TokenChunk) and first.token_ids == (20,), first
