@@ -6,6 +6,7 @@ workers, parsing the arguments they are given, hold the same options as their su
 from __future__ import annotations
 
 import dataclasses
+import enum
 from pathlib import Path
 
 import click
@@ -19,7 +20,13 @@ from kvfence.kv.scrub import ScrubPolicy
 from kvfence.serve.cli import serve
 from kvfence.serve.config import ServeConfig
 from kvfence.serve.option_types import PerRole
-from kvfence.serve.options import PDRouter, Role, ServeOptions, stack_worker_argv
+from kvfence.serve.options import (
+    PDRouter,
+    Role,
+    ServeOptions,
+    sglang_worker_spec,
+    stack_worker_argv,
+)
 from kvfence.serve.specs import RouterSpec, SglangWorkerSpec, WorkerSpec, decode_spec, encode_spec
 
 MODEL = ["--model", "/models/m"]  # never read: nothing here loads a model
@@ -98,11 +105,53 @@ def misnamed(cls: type, options: set[str]) -> set[str]:
 
 def test_a_concept_has_one_name_from_the_flag_to_the_config() -> None:
     # `--scrub` is `scrub` in the options, every spec and the server's config; a field that
-    # says the same thing in other words (scrub_policy, prefill for prefill_addr) is drift.
+    # says the same thing in other words (scrub_policy, prefill for prefill_addr) is drift,
+    # and so is an option's name on another concept (`router`, the choice of router, on the
+    # router's control address).
     options = {f.name for f in dataclasses.fields(ServeOptions)}
     assert {cls.__name__: misnamed(cls, options) for cls in NOT_OPTIONS} == {
         cls.__name__: set() for cls in NOT_OPTIONS
     }
+
+
+def _as_carried(value: object, role: str) -> object:
+    """An option's value as a spec carries it across a process: enums by value, paths as
+    strings, the lab's switches by name, a per-role size as this role's."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, FaultSet):
+        return tuple(value.names())
+    return value.of(role) if isinstance(value, PerRole) else value
+
+
+def test_a_field_named_as_an_option_carries_that_options_value(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    o = parse(
+        "--role", "prefill", "--inbox", "tcp://w:1", "--router-addr", "tcp://r:1",
+        "--prefill-addr", "tcp://w:1", "--decode-addr", "tcp://w:2", "--scrub", "on_release",
+        "--kv-pages", "prefill=8", "--lab-fault", "no-invalidate", "--host", "127.0.0.2",
+        "--port", "8123", "--bootstrap-port", "9123", "--torch-threads", "2",
+        "--router-secret-file", str(secret), "--tenants", str(tmp_path / "t.json"),
+    )  # fmt: skip
+    assert o.router_addr is not None and o.inbox is not None
+    worker = o.worker_spec(Role.PREFILL, o.inbox, o.router_addr)
+    specs = (
+        worker,
+        o.router_spec(o.inbox, o.prefill_addr, o.decode_addr),
+        sglang_worker_spec(o, worker),
+    )
+    given = {f.name: getattr(o, f.name) for f in dataclasses.fields(ServeOptions)}
+    differ = [
+        f"{type(spec).__name__}.{name}: {getattr(spec, name)!r} is not {value!r}"
+        for spec in specs
+        for name, value in given.items()
+        if name in {f.name for f in dataclasses.fields(spec)}
+        and getattr(spec, name) != _as_carried(value, "prefill")
+    ]
+    assert differ == []
 
 
 def test_the_worker_and_router_specs_are_the_options_own() -> None:

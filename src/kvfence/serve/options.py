@@ -208,7 +208,7 @@ class ServeOptions:
             raise click.UsageError(str(e)) from None
 
     def worker_spec(
-        self, role: Role, inbox: str, router: str, torch_threads: int | None = None
+        self, role: Role, inbox: str, router_addr: str, torch_threads: int | None = None
     ) -> WorkerSpec:
         """One worker's spec; `torch_threads` overrides `--torch-threads`."""
         return WorkerSpec(
@@ -216,7 +216,7 @@ class ServeOptions:
             model_dir=str(self.checkpoint),
             model_kind=self.model_kind,
             inbox=inbox,
-            router=router,
+            router_addr=router_addr,
             kv_pages=self.kv_pages.of(role.value),
             kv_bytes=self.kv_bytes.of(role.value),
             kv_memory_fraction=self.kv_memory_fraction,

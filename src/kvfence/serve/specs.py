@@ -56,7 +56,7 @@ class WorkerSpec:
     model_dir: str
     model_kind: str
     inbox: str  # the control address this worker binds, e.g. tcp://10.0.0.2:7001
-    router: str  # the router's control inbox
+    router_addr: str  # the router's control inbox (`--router-addr`)
     kv_pages: int | None = None  # this role's KV pool in pages, or
     kv_bytes: int | None = None  # a byte budget (whole pages, rounded down); default: from memory
     kv_memory_fraction: float = DEFAULT_KV_FRACTION
@@ -244,7 +244,7 @@ class SglangWorkerSpec:
     log_level: str = "warning"
 
 
-SPEC_VERSION = 2  # 2: WorkerSpec.shared_prefix_cache, a flag as everywhere else
+SPEC_VERSION = 2  # another version is refused whole, before any of its fields is read
 EXIT_BAD_SPEC = 2  # a child whose spec does not validate ends with this, before it binds
 Spec = TypeVar("Spec", WorkerSpec, RouterSpec)
 

@@ -39,8 +39,8 @@ def pd_main(options: ServeOptions, tenants: TenantRegistry) -> int:
 def _disaggregated(options: ServeOptions, tenants: TenantRegistry) -> int:
     threads = options.worker_threads
 
-    def spec_for(role: str, inbox: str, router: str) -> WorkerSpec:
-        return options.worker_spec(Role(role), inbox, router, torch_threads=threads)
+    def spec_for(role: str, inbox: str, router_addr: str) -> WorkerSpec:
+        return options.worker_spec(Role(role), inbox, router_addr, torch_threads=threads)
 
     def router_for(addrs: Loopback) -> RouterSpec:
         return options.router_spec(addrs.router, addrs.prefill, addrs.decode)

@@ -74,7 +74,7 @@ class _HubControl:
         self.inbox = Inbox(self.ctx, spec.inbox, accepts)
         self.waker = Waker()  # set by other threads (decode's KV receiver) to end an idle wait
         self.inbox.wake_on(self.waker)
-        self.router = Outbox(self.ctx, spec.router)
+        self.router = Outbox(self.ctx, spec.router_addr)
         self.stop = _Stop()
         self._last_status = 0.0
 

@@ -83,7 +83,7 @@ def sglang_main(options: ServeOptions, tenants: TenantRegistry) -> int:
         return run_stack(options, tenants)
     assert options.role is not None  # ServeOptions: --role prefill|decode here
     # No kvfence control plane: the bootstrap channel replaces the inbox and the router.
-    worker = options.worker_spec(options.role, inbox="-", router="-")
+    worker = options.worker_spec(options.role, inbox="-", router_addr="-")
     with collector_paused():  # start-up imports (serve/startup.py)
         from kvfence.serve.sglang.worker import run_sglang_worker  # torch
 
