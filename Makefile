@@ -29,9 +29,10 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 # The whole suite, peers and browser included: installed here (cached), so none of it skips.
+# --durations: the 30 slowest steps close the log, so a run over budget shows where it went.
 test: lint peers browser pd prometheus systemd
 	KVFENCE_REQUIRE_PEERS=1 KVFENCE_REQUIRE_BROWSER=1 KVFENCE_REQUIRE_PROMETHEUS=1 KVFENCE_REQUIRE_SYSTEMD=1 \
-	  $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	  $(BIN)/python -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 # The real peer engines (vLLM CPU, llama-server) for tests/peers, cached outside the clone
 # in $KVFENCE_PEER_CACHE (default /var/cache/kvfence-peers): ~20 min cold, seconds warm.
