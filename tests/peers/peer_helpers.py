@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
 from bench.peers import PeerServer
+from bench.peers.pd_fleet import PD_BLOCKS
 
 TIMEOUT = httpx.Timeout(120.0, connect=5.0)
 # A test's own steps are bounded; the peer it shares (a session fixture) is not timed with
@@ -21,6 +23,21 @@ VLLM_BLOCKS = 64
 VLLM_MAX_MODEL_LEN = 2048
 LLAMA_CTX = 4096
 LLAMA_SLOTS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class PdShape:
+    """What makes one vLLM P/D fleet differ from another: blocks per server and the NIXL lease
+    (None: vLLM's default). Tests that ask for the same shape share one running fleet."""
+
+    blocks: int = PD_BLOCKS
+    kv_lease_s: int | None = None
+
+
+DEFAULT_PD = PdShape()
+# One 1,024-token request fills either server's pool (8 usable blocks of 128 tokens, the
+# null block besides) and its lease is 1 s, which decode's heartbeats cannot extend.
+LEASE_PD = PdShape(blocks=9, kv_lease_s=1)
 
 
 def get_json(server: PeerServer, path: str) -> Any:

@@ -9,14 +9,11 @@ that, and must stay quiet on a single vLLM, which hands out no reference at all.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from bench.peers import PeerCache, PeerServer
-from bench.peers.pd_fleet import VllmPdFleet, start_vllm_pd
+from bench.peers import PeerServer
+from bench.peers.pd_fleet import VllmPdFleet
 from peer_helpers import PEER_TIMEOUT
 
 from kvfence.audit.base import Budget, CheckResult, Verdict
@@ -29,23 +26,6 @@ from kvfence.audit.contract import AuditContext, run_check
 from kvfence.audit.targets.registry import detect
 
 pytestmark = [pytest.mark.slow, pytest.mark.peers, PEER_TIMEOUT]
-
-
-@pytest.fixture(scope="module")
-def vllm_pd(
-    tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[VllmPdFleet]:
-    """The fleet for this module only: its two servers spin on both cores while they live."""
-    cache = PeerCache.from_env()
-    if not (cache.vllm_installed() and cache.nixl_installed()):
-        reason = f"vLLM or NIXL not installed in {cache.root} (run `make peers`)"
-        if os.environ.get("KVFENCE_REQUIRE_PEERS") == "1":
-            pytest.fail(reason + "; KVFENCE_REQUIRE_PEERS=1 forbids skipping")
-        pytest.skip(reason)
-    with start_vllm_pd(
-        tiny_checkpoint, log_dir=tmp_path_factory.mktemp("vllm-pd-log"), cache=cache
-    ) as fleet:
-        yield fleet
 
 
 def _run(url: str, workers: tuple[str, ...] = (), seed: int = 0) -> CheckResult:

@@ -13,16 +13,12 @@ show that, and the counters check must name the prefill counters that moved.
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-from bench.peers import PeerCache
-from bench.peers.pd_fleet import VllmPdFleet, start_vllm_pd
-from peer_helpers import PEER_TIMEOUT
+from bench.peers.pd_fleet import VllmPdFleet
+from peer_helpers import LEASE_PD, PEER_TIMEOUT
 
 from kvfence.audit.base import Budget, CheckResult, Verdict
 from kvfence.audit.checks.canary.lease_reuse import LeaseReuseCheck
@@ -33,32 +29,11 @@ from kvfence.audit.targets.registry import detect
 
 pytestmark = [pytest.mark.slow, pytest.mark.peers, PEER_TIMEOUT]
 
-BLOCKS = 9  # 8 usable blocks of 128 tokens: one 1,024-token request fills the pool
-LEASE_S = 1
 AFTER_EXPIRY = "vllm:nixl_num_notifications_after_expiry"
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmPdFleet]:
-    """The fleet for this module only: its two servers spin on both cores while they live."""
-    cache = PeerCache.from_env()
-    if not (cache.vllm_installed() and cache.nixl_installed()):
-        reason = f"vLLM or NIXL not installed in {cache.root} (run `make peers`)"
-        if os.environ.get("KVFENCE_REQUIRE_PEERS") == "1":
-            pytest.fail(reason + "; KVFENCE_REQUIRE_PEERS=1 forbids skipping")
-        pytest.skip(reason)
-    with start_vllm_pd(
-        tiny_checkpoint,
-        blocks=BLOCKS,
-        kv_lease_s=LEASE_S,
-        log_dir=tmp_path_factory.mktemp("vllm-pd-lease-log"),
-        cache=cache,
-    ) as f:
-        yield f
-
-
-@pytest.fixture(scope="module")
-def probed(fleet: VllmPdFleet) -> tuple[CheckResult, CheckResult, dict[str, int]]:
+def probed(vllm_pd_lease: VllmPdFleet) -> tuple[CheckResult, CheckResult, dict[str, int]]:
     """One audit of the router: counters snapshot, the lease-reuse probe, counters again.
 
     Returns (probe, counters, prefill's NIXL counters at the end)."""
@@ -70,10 +45,10 @@ def probed(fleet: VllmPdFleet) -> tuple[CheckResult, CheckResult, dict[str, int]
     )
     counters = CountersCheck()
     with ctx.open():
-        target = detect(fleet.url, ctx.client_for_url(fleet.url, "a"))
+        target = detect(vllm_pd_lease.url, ctx.client_for_url(vllm_pd_lease.url, "a"))
         counters.snapshot(ctx, target)
         probe = run_check(LeaseReuseCheck(), ctx, target)
-        after = _published_after_expiry(fleet)
+        after = _published_after_expiry(vllm_pd_lease)
         moved = run_check(counters, ctx, target)
     return probe, moved, after
 
@@ -118,18 +93,19 @@ def test_decode_answers_an_honest_request_from_another_tenants_kv(
     answers = (trial["a_answer_under_load"], trial["b_answer_under_load"])
     assert answers in ((own_b, own_b), (own_a, own_a)), trial
     assert trial["statuses"] == [200, 200]
-    assert probe.evidence["shared_full_blocks"] == 7
+    # Every usable block but the last (the null block aside) holds the shared prompt.
+    assert probe.evidence["shared_full_blocks"] == LEASE_PD.blocks - 2
 
 
 def test_the_counters_check_names_the_late_read_and_what_it_means(
-    fleet: VllmPdFleet, probed: tuple[CheckResult, CheckResult, dict[str, int]]
+    vllm_pd_lease: VllmPdFleet, probed: tuple[CheckResult, CheckResult, dict[str, int]]
 ) -> None:
     _, counters, after = probed
     assert after["vllm:nixl_num_kv_expired_reqs"] >= 1 and after[AFTER_EXPIRY] >= 1, after
     assert counters.verdict is Verdict.FAIL, counters.summary
-    prefill = fleet.prefill.url
+    prefill = vllm_pd_lease.prefill.url
     assert f"{prefill} vllm:nixl_num_kv_expired_reqs 0 → " in counters.summary
     assert f"{prefill} {AFTER_EXPIRY} 0 → " in counters.summary
     assert "decode finished reading blocks whose lease had already run out" in counters.summary
     # Decode counts none of these: expiry and late reads are prefill's own counts.
-    assert f"{fleet.decode.url} vllm:nixl_num_kv_expired_reqs" not in counters.summary
+    assert f"{vllm_pd_lease.decode.url} vllm:nixl_num_kv_expired_reqs" not in counters.summary
