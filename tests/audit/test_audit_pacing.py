@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from kvfence.audit.base import CheckResult, Verdict
 from kvfence.audit.budget import Budget
 from kvfence.audit.client import ProbeClient
+from kvfence.audit.contract import AuditContext, Check, run_check
 from kvfence.audit.pacing import Pacing, RetryAllowance, unavailable_reason
+from kvfence.audit.targets.base import Target
+from kvfence.audit.targets.openai import OpenAITarget
 
 
 class Flaky:
@@ -60,7 +64,7 @@ class Flaky:
 
 
 @pytest.fixture
-def serve() -> Iterator[object]:
+def serve() -> Iterator[Callable[[Flaky], str]]:
     servers: list[ThreadingHTTPServer] = []
 
     def start(flaky: Flaky) -> str:
@@ -78,9 +82,9 @@ def serve() -> Iterator[object]:
 FAST = Pacing(retries=3, backoff_s=0.01, max_wait_s=30.0)
 
 
-def test_a_503_is_sent_again_and_only_the_answer_counts(serve: object) -> None:
+def test_a_503_is_sent_again_and_only_the_answer_counts(serve: Callable[[Flaky], str]) -> None:
     flaky = Flaky(unavailable=2)
-    url = serve(flaky)  # type: ignore[operator]
+    url = serve(flaky)
     budget = Budget(max_requests=10, max_seconds=60)
     client = ProbeClient(url, api_key=None, budget=budget, pacing=FAST)
     r = client.ttft([1, 2, 3])
@@ -91,27 +95,29 @@ def test_a_503_is_sent_again_and_only_the_answer_counts(serve: object) -> None:
     assert r.brief()["unavailable_before"] == r.unavailable
 
 
-def test_an_unpaced_client_reads_the_503_as_the_answer(serve: object) -> None:
+def test_an_unpaced_client_reads_the_503_as_the_answer(serve: Callable[[Flaky], str]) -> None:
     """The checks that judge a 503 (a pool that ran out) get it as it came."""
     flaky = Flaky(unavailable=1)
-    client = ProbeClient(serve(flaky), api_key=None, budget=Budget(10, 60))  # type: ignore[operator]
+    client = ProbeClient(serve(flaky), api_key=None, budget=Budget(10, 60))
     r = client.ttft([1, 2, 3])
     assert r.status == 503 and r.unavailable == [] and flaky.posts == 1
 
 
 def test_a_target_that_stays_unavailable_comes_back_failed_after_the_stated_retries(
-    serve: object,
+    serve: Callable[[Flaky], str],
 ) -> None:
     flaky = Flaky(unavailable=100)
-    client = ProbeClient(serve(flaky), api_key=None, budget=Budget(100, 60), pacing=FAST)  # type: ignore[operator]
+    url = serve(flaky)
+    client = ProbeClient(url, api_key=None, budget=Budget(100, 60), pacing=FAST)
     r = client.ttft([1, 2, 3])
     assert r.status == 503 and not r.ok  # a failure the check cannot count either way
     assert len(r.unavailable) == FAST.retries and flaky.posts == FAST.retries + 1
 
 
-def test_other_server_errors_are_answers_not_retried(serve: object) -> None:
+def test_other_server_errors_are_answers_not_retried(serve: Callable[[Flaky], str]) -> None:
     flaky = Flaky(unavailable=1, status=500)
-    client = ProbeClient(serve(flaky), api_key=None, budget=Budget(10, 60), pacing=FAST)  # type: ignore[operator]
+    url = serve(flaky)
+    client = ProbeClient(url, api_key=None, budget=Budget(10, 60), pacing=FAST)
     r = client.ttft([1, 2, 3])
     assert r.status == 500 and flaky.posts == 1
 
@@ -132,3 +138,27 @@ def test_what_counts_as_unavailable() -> None:
     assert unavailable_reason(503, None) == "HTTP 503"
     assert unavailable_reason(429, None) is None  # a tenant's rate limit is an answer
     assert unavailable_reason(400, None) is None
+
+
+class _OneProbe(Check):
+    """A statistical check's name and one timed probe through its paced client."""
+
+    name = "latency"
+
+    def run(self, ctx: AuditContext, target: Target) -> CheckResult:
+        r = ctx.client(target, "b", paced=True).ttft([1, 2, 3])
+        verdict = Verdict.PASS if r.ok else Verdict.INCONCLUSIVE
+        return self.result(target, verdict, r.outcome())
+
+
+def test_a_statistical_checks_evidence_says_what_was_retried(
+    serve: Callable[[Flaky], str],
+) -> None:
+    flaky = Flaky(unavailable=2)
+    url = serve(flaky)
+    ctx = AuditContext(budget=Budget(10, 60), pacing=FAST)
+    with ctx.open():
+        res = run_check(_OneProbe(), ctx, OpenAITarget(url))
+    assert res.verdict is Verdict.PASS, res.summary
+    assert res.evidence["pacing"]["retried"] == 2, res.evidence
+    assert res.requests_sent == 3

@@ -135,6 +135,13 @@ class AuditContext:
                 self._clients[(url, tenant, paced)] = cached
             return cached
 
+    def retries(self) -> tuple[int, float]:
+        """(requests sent again, seconds spent on unavailable tries and the pauses after them)
+        over the paced clients so far (`kvfence.audit.pacing`)."""
+        with self._lock:
+            paced = [c.retry for (_, _, is_paced), c in self._clients.items() if is_paced]
+        return sum(a.retried for a in paced), sum(a.spent_s for a in paced)
+
     def close(self) -> None:
         with self._lock:
             for c in self._clients.values():
@@ -186,9 +193,11 @@ class Check(ABC):
 def run_check(check: Check, ctx: AuditContext, target: Target) -> CheckResult:
     """Run one check, fail closed: any exception → INCONCLUSIVE, never PASS.
 
-    Fills `requests_sent` (budget delta) and `duration_s`.
+    Fills `requests_sent` (budget delta) and `duration_s`; a statistical check's evidence
+    gets `pacing`: the 503s and timeouts its paced clients sent again, none of them counted.
     """
     sent0 = ctx.budget.sent
+    retried0, waited0 = ctx.retries()
     t0 = time.monotonic()
     try:
         res = check.run(ctx, target)
@@ -203,4 +212,12 @@ def run_check(check: Check, ctx: AuditContext, target: Target) -> CheckResult:
         )
     res.requests_sent = ctx.budget.sent - sent0
     res.duration_s = time.monotonic() - t0
+    retried, waited = ctx.retries()
+    if check.name in STATISTICAL_CHECKS or retried > retried0:
+        res.evidence["pacing"] = {
+            "retried": retried - retried0,
+            "waited_s": round(waited - waited0, 1),
+            "retries_per_request": ctx.pacing.retries,
+            "max_wait_s_per_client": ctx.pacing.max_wait_s,
+        }
     return res

@@ -71,6 +71,10 @@ class RetryAllowance:
     def spent_s(self) -> float:
         return self._spent_s
 
+    @property
+    def retried(self) -> int:
+        return self._retried
+
     def spend(self, seconds: float) -> None:
         """One unavailable try and the pause after it, before the request is sent again."""
         with self._lock:

@@ -77,10 +77,7 @@ class NoninterferenceCheck(Check):
 
     def run(self, ctx: AuditContext, target: Target) -> CheckResult:
         """B's references -> B's repeats alone -> B's repeats under A's load -> Fisher test."""
-        client_a, client_b = (
-            ctx.client(target, "a", paced=True),
-            ctx.client(target, "b", paced=True),
-        )
+        client_a, client_b = (ctx.client(target, t, paced=True) for t in ("a", "b"))
         target.facts(client_a)
         facts = target.facts(client_b)
         lengths, how = probe_lengths(self.config, facts, ctx.context_override)
@@ -112,8 +109,6 @@ class NoninterferenceCheck(Check):
         result.evidence["dropped_probes"] = probes.dropped
         ids = {"range": list(cfg.token_range), "vocab_size": facts.vocab_size.to_json()}
         result.evidence["token_ids"] = ids
-        # 503s and timeouts: retried, never counted as divergent or as agreeing.
-        result.evidence["pacing"] = {"a": client_a.retry.to_json(), "b": client_b.retry.to_json()}
         result.alpha, p = cfg.alpha, result.evidence.get("p_value")
         result.p_value = p if isinstance(p, float) else None
         return result
@@ -153,15 +148,7 @@ class NoninterferenceCheck(Check):
         if untested is not None:
             return self.result(target, Verdict.INCONCLUSIVE, untested, evidence)
         worst_i, worst_t, per_test_alpha = _fisher(cfg, alone, loaded, evidence)
-        rates = (
-            f"divergence alone {alone.diverged}/{alone.total}, under A's load "
-            f"{loaded.diverged}/{loaded.total} ({load.ok} A requests)"
-        )
-        if loaded.stopped_early is not None:
-            rates += (
-                f"; stopped after {loaded.rounds} of {cfg.repeats} rounds under load: "
-                f"{loaded.stopped_early}"
-            )
+        rates = _rates(alone, loaded, load, cfg.repeats)
         if worst_t.p_value < per_test_alpha:
             why = _depends(worst_i, worst_t, per_test_alpha)
             return self.result(target, Verdict.FAIL, f"{why}; {rates}", evidence)
@@ -183,6 +170,18 @@ class NoninterferenceCheck(Check):
             f"{worst_t.p_value:.2g}{note}",
             evidence,
         )
+
+
+def _rates(alone: Tally, loaded: Tally, load: Load, repeats: int) -> str:
+    rates = (
+        f"divergence alone {alone.diverged}/{alone.total}, under A's load "
+        f"{loaded.diverged}/{loaded.total} ({load.ok} A requests)"
+    )
+    if loaded.stopped_early is None:
+        return rates
+    return f"{rates}; stopped after {loaded.rounds} of {repeats} rounds under load: " + (
+        loaded.stopped_early
+    )
 
 
 def _depends(probe: int, test: DivergenceTest, alpha: float) -> str:

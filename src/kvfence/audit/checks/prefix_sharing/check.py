@@ -71,10 +71,7 @@ class PrefixSharingCheck(Check):
         self.own_alpha = config is not None if audit_alpha is None else not audit_alpha
 
     def run(self, ctx: AuditContext, target: Target) -> CheckResult:
-        client_a, client_b = (
-            ctx.client(target, "a", paced=True),
-            ctx.client(target, "b", paced=True),
-        )
+        client_a, client_b = (ctx.client(target, t, paced=True) for t in ("a", "b"))
         facts = target.facts(client_a)
         target.facts(client_b)
         rng = random.Random(ctx.rng.random())
@@ -112,8 +109,6 @@ class PrefixSharingCheck(Check):
         ran = [evidence[k] for k in ("unsalted", "salted") if k in evidence]
         evidence["requests"] = sum(int(e["requests"]) for e in [*ran, *extra.values()])
         evidence["prompts"] = probe.prompts.described()
-        # 503s and timeouts: retried, never a trial.
-        evidence["pacing"] = {"a": client_a.retry.to_json(), "b": client_b.retry.to_json()}
         out = self.result(target, worst(verdicts), "; ".join(summaries), evidence, plots)
         return _with_alpha(out, ran, cfg, len(runs) + len(routes))
 
