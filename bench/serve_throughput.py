@@ -27,7 +27,7 @@ converted from it), one server at a time:
             on the public address, without kvfence's edge in front: the edge's cost, same run.
             `kvfence-pd-shared` (not in the default list): the same stack with its workers
             sharing the cores step by step, a worker stepping alone on both
-            (serve/sglang/cores.py, `StackSpec.share_cores`): that sharing's effect, same run
+            (sglang_stack/cores.py, `StackSpec.share_cores`): that sharing's effect, same run
   vllm-pd   vLLM's own disaggregated fleet (bench/peers/pd_fleet.py): a prefill and a decode
             vLLM CPU server (float32, NixlConnector over DRAM, each pinned to one core) behind
             vllm-router, 1 GiB of KV blocks each; prompts as text, as for kvfence-pd
@@ -417,9 +417,9 @@ def pd_stack(
     context: int = CONTEXT,
     share_cores: bool = False,
 ) -> Iterator[Serving]:
-    """sglang-router + one prefill + one decode kvfence worker (serve/sglang/stack.py)."""
-    from kvfence.serve.sglang.stack import Stack, StackSpec
+    """sglang-router + one prefill + one decode kvfence worker (sglang_stack/stack.py)."""
     from kvfence.serve.tenants import TenantRegistry
+    from kvfence.sglang_stack.stack import Stack, StackSpec
 
     # One tenant carries the whole load here: the per-tenant defaults, there to keep one
     # tenant from starving the others, would refuse it (the single process runs --no-auth).

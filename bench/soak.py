@@ -37,12 +37,12 @@ from pathlib import Path
 import httpx
 
 from kvfence.faults import FaultSet
+from kvfence.hub.backend import PDBackend, Timeouts
 from kvfence.model.config import ModelConfig
 from kvfence.model.tiny import make_tiny_checkpoint
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve.app import create_app
 from kvfence.serve.config import ServeConfig
-from kvfence.serve.pd.backend import PDBackend, Timeouts
 from kvfence.serve.supervisor import free_port
 from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.thread import ServerThread

@@ -21,7 +21,7 @@ def test_help_and_gate_do_not_import_torch(argv: list[str]) -> None:
         f"    main({argv!r})\n"
         "except SystemExit as e:\n"
         "    assert e.code in (0, None), e.code\n"
-        "heavy = sorted(m for m in ('torch', 'kvfence.serve.cli', 'kvfence.audit.cli',"
+        "heavy = sorted(m for m in ('torch', 'kvfence.launch.cli', 'kvfence.audit.cli',"
         " 'kvfence.lab.cli') if m in sys.modules)\n"
         "print('HEAVY', heavy)\n"
     )
@@ -45,7 +45,7 @@ def test_the_supervisor_and_router_roles_do_not_import_torch() -> None:
     # they skip is start-up time the workers get on a small machine.
     code = (
         "import sys\n"
-        "import kvfence.serve.cli, kvfence.serve.pd.launch\n"
+        "import kvfence.launch.cli, kvfence.hub.launch\n"
         "print('TORCH', 'torch' in sys.modules)\n"
         "print('WEB', sorted(m for m in ('starlette', 'uvicorn', 'kvfence.serve.app')"
         " if m in sys.modules))\n"

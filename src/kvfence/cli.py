@@ -39,7 +39,7 @@ TINY_CONTEXT = 4096
 _LAZY_COMMANDS = MappingProxyType(
     {
         "serve": LazyCommand(
-            "kvfence.serve.cli:serve",
+            "kvfence.launch.cli:serve",
             "Serve a model over the OpenAI API, with tenant isolation (exit 1: capacity gate failed).",
         ),
         "audit": LazyCommand(

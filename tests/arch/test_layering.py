@@ -1,5 +1,5 @@
-"""Layers import one way: faults <- kv <- model <- engine <- transfer <- roles <- serve / lab
-<- cli.
+"""Layers import one way: faults <- kv <- model <- engine <- transfer <- roles <- serve <-
+hub / sglang_stack <- launch / lab <- cli.
 
 The audit sits beside them and reaches engines over HTTP only
 (tests/audit/test_audit_http_only.py). Every import counts, lazy ones inside a
@@ -19,10 +19,14 @@ SRC = Path(kvfence.__file__).parent
 
 # What each layer must never import. Network and process libraries stay out of
 # the network-free core (docs/ARCHITECTURE.md, "The layers").
-UPWARD = ("kvfence.serve", "kvfence.lab", "kvfence.audit", "kvfence.cli", "kvfence.watch")
+# The coordinators (hub, sglang_stack) sit on serve; launch (the `kvfence serve` command) on them.
+COORDINATORS = ("kvfence.hub", "kvfence.sglang_stack", "kvfence.launch")
+UPWARD = ("kvfence.serve", *COORDINATORS, "kvfence.lab", "kvfence.audit", "kvfence.cli")
+UPWARD += ("kvfence.watch",)
 NETWORK = ("zmq", "socket", "http", "urllib", "requests", "fastapi", "uvicorn", "aiohttp", "httpx")
 ENGINE_SIDE = ("kvfence.kv", "kvfence.model", "kvfence.engine", "kvfence.serve", "kvfence.lab")
-ENGINE_SIDE += ("kvfence.transfer", "kvfence.roles", "kvfence.cli", "kvfence.watch", "torch")
+ENGINE_SIDE += ("kvfence.transfer", "kvfence.roles", *COORDINATORS, "kvfence.cli", "kvfence.watch")
+ENGINE_SIDE += ("torch",)
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "faults.py": ("kvfence", "torch", *NETWORK),
     "kv": ("kvfence.model", "kvfence.engine", "kvfence.transfer", *UPWARD, *NETWORK),
@@ -32,8 +36,13 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "transfer": UPWARD,
     # The roles drive the engines over their KV halves; coordinators (serve) drive the roles.
     "roles": UPWARD,
-    # serve sits under the lab (which drives it) and the top-level CLI (which wires both).
-    "serve": ("kvfence.lab", "kvfence.cli"),
+    # serve (the HTTP edge, the single process, the specs and the start-up sequence) sits under
+    # the coordinators that use it, the lab (which drives them) and the CLI (which wires all).
+    "serve": (*COORDINATORS, "kvfence.lab", "kvfence.cli"),
+    # Two coordinators over the same roles: neither reaches into the other.
+    "hub": ("kvfence.sglang_stack", "kvfence.launch", "kvfence.lab", "kvfence.cli"),
+    "sglang_stack": ("kvfence.hub", "kvfence.launch", "kvfence.lab", "kvfence.cli"),
+    "launch": ("kvfence.lab", "kvfence.cli"),
     "lab": ("kvfence.cli",),
     # The audit reaches engines over HTTP only (it may start `kvfence serve` as a process).
     "audit": ENGINE_SIDE,
@@ -126,7 +135,7 @@ def test_layering_check_catches_an_upward_import(tmp_path: Path) -> None:
 
 
 def _package_of(name: str, root: Path) -> str | None:
-    """The top-level part of kvfence a module name lives in (`kvfence.serve.pd.cli` -> serve,
+    """The top-level part of kvfence a module name lives in (`kvfence.launch.hub` -> serve,
     `kvfence.cli` -> cli); "kvfence" for the package's own `__init__`; None outside kvfence."""
     parts = name.split(".")
     if parts[0] != "kvfence":

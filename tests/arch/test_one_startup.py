@@ -4,7 +4,7 @@ Every serving process ends with the same code when its live pools fail the capac
 (I4): scripts and supervisors tell a refused start from a crash by it. A second definition,
 or a literal exit in a gate handler, lets the two drift apart unnoticed.
 
-The hub (serve/pd) and SGLang-style workers (serve/sglang) are two coordinators over the
+The hub (hub/) and SGLang-style workers (sglang_stack/) are two coordinators over the
 same roles: what both need (the specs, the start-up sequence) lives beside them in serve/,
 so either can change without the other.
 """
@@ -97,15 +97,15 @@ def test_no_gate_failure_exits_with_a_literal_code() -> None:
 
 
 def test_the_hub_and_sglang_workers_do_not_import_each_other() -> None:
-    found = imports_between("serve/sglang", "kvfence.serve.pd")
-    found += imports_between("serve/pd", "kvfence.serve.sglang")
+    found = imports_between("sglang_stack", "kvfence.hub")
+    found += imports_between("hub", "kvfence.sglang_stack")
     assert found == [], "shared parts belong in serve/ (specs.py, serving.py):\n" + "\n".join(found)
 
 
 def test_the_checks_see_what_they_look_for(tmp_path: Path) -> None:
     # A second definition, each literal exit form, and an import across: every one is seen.
-    (tmp_path / "serve" / "pd").mkdir(parents=True)
-    (tmp_path / "serve" / "sglang").mkdir()
+    (tmp_path / "hub").mkdir()
+    (tmp_path / "sglang_stack").mkdir()
     (tmp_path / "a.py").write_text("EXIT_GATE = 1\n")
     (tmp_path / "b.py").write_text("EXIT_GATE: int = 1\n")
     (tmp_path / "c.py").write_text(
@@ -119,13 +119,13 @@ def test_the_checks_see_what_they_look_for(tmp_path: Path) -> None:
         "    try:\n        g()\n    except CapacityGateError:\n        sys.exit(EXIT_GATE)\n"
         "    try:\n        g()\n    except ValueError:\n        return 1\n"
     )
-    (tmp_path / "serve" / "sglang" / "w.py").write_text("from kvfence.serve.pd.x import y\n")
-    (tmp_path / "serve" / "pd" / "w.py").write_text("import kvfence.serve.sglang\n")
+    (tmp_path / "sglang_stack" / "w.py").write_text("from kvfence.hub.x import y\n")
+    (tmp_path / "hub" / "w.py").write_text("import kvfence.sglang_stack\n")
     assert gate_exit_definitions(tmp_path) == ["a.py", "b.py"]
     assert literal_gate_exits(tmp_path) == ["c.py:6", "c.py:10", "c.py:14", "c.py:18"]
-    assert imports_between("serve/sglang", "kvfence.serve.pd", tmp_path) == [
-        "serve/sglang/w.py: imports kvfence.serve.pd.x"
+    assert imports_between("sglang_stack", "kvfence.hub", tmp_path) == [
+        "sglang_stack/w.py: imports kvfence.hub.x"
     ]
-    assert imports_between("serve/pd", "kvfence.serve.sglang", tmp_path) == [
-        "serve/pd/w.py: imports kvfence.serve.sglang"
+    assert imports_between("hub", "kvfence.sglang_stack", tmp_path) == [
+        "hub/w.py: imports kvfence.sglang_stack"
     ]

@@ -1,7 +1,7 @@
-"""`kvfence serve`'s options travel as one typed value (serve/options.py), never as click's
+"""`kvfence serve`'s options travel as one typed value (launch/options.py), never as click's
 parameter dict: no module of `serve/` reads an option by its name in a dict.
 
-`ServeOptions(**ctx.params)` in serve/cli.py is the one hand-over; a `params["…"]` read, or
+`ServeOptions(**ctx.params)` in launch/cli.py is the one hand-over; a `params["…"]` read, or
 a context's `.params` taken anywhere else, is an option that skipped the types and the
 checks (tests/serve/test_serve_options.py holds every option to a field).
 """

@@ -12,6 +12,7 @@ import kvfence.audit
 import kvfence.watch
 
 FORBIDDEN = ("kvfence.engine", "kvfence.model", "kvfence.transfer", "kvfence.serve", "kvfence.lab")
+FORBIDDEN += ("kvfence.roles", "kvfence.hub", "kvfence.sglang_stack", "kvfence.launch")
 
 
 @pytest.mark.parametrize(("package", "min_files"), [(kvfence.audit, 10), (kvfence.watch, 4)])

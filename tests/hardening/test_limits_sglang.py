@@ -1,6 +1,6 @@
 """Behind sglang-router, one tenant's refusals never take the fleet down for the others.
 
-The real stack on loopback (`serve/sglang/stack.py`: kvfence workers, the real
+The real stack on loopback (`sglang_stack/stack.py`: kvfence workers, the real
 sglang-router), every tenant with the default limits. Tenant "flood" sends
 `FLOOD_CLIENTS` concurrent near-limit prompts, so the workers refuse most of
 them (429: over its queued tokens or in-flight requests). sglang-router turns a
@@ -33,8 +33,8 @@ import pytest
 from kvfence.lab.profiles import Scale
 from kvfence.model.tiny import make_tiny_checkpoint
 from kvfence.serve.limits import TenantLimits
-from kvfence.serve.sglang.stack import Stack, StackSpec
 from kvfence.serve.tenants import Tenant, TenantRegistry
+from kvfence.sglang_stack.stack import Stack, StackSpec
 
 SCALE = Scale()  # context 512, prefill pool 336: the defaults admit one such prompt waiting
 FLOOD_CLIENTS = 16

@@ -10,9 +10,9 @@ import pytest
 
 from kvfence.serve.errors import ApiError
 from kvfence.serve.limits import AdmissionLimits, TenantLimits, default_limits
-from kvfence.serve.sglang.router_main import parse
-from kvfence.serve.sglang.stack import ROUTER_FAILURE_ARGS
 from kvfence.serve.tenants import Tenant, TenantFileError, TenantRegistry
+from kvfence.sglang_stack.router_main import parse
+from kvfence.sglang_stack.stack import ROUTER_FAILURE_ARGS
 
 KEY = "sk-kvf-0123456789abcdef"
 

@@ -18,8 +18,8 @@ import pytest
 from schemathesis_cli import checks_all
 from test_openapi_fuzz import CLI_EXAMPLES, PER_CASE, attack_all
 
-from kvfence.serve.sglang.stack import Stack, StackSpec
 from kvfence.serve.tenants import TenantRegistry
+from kvfence.sglang_stack.stack import Stack, StackSpec
 
 pytestmark = pytest.mark.slow
 

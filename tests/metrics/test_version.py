@@ -8,8 +8,8 @@ import pytest
 from metrics_helpers import Stepped
 from starlette.testclient import TestClient
 
-from kvfence.serve.sglang.edge import Edge, EdgeSpec
 from kvfence.serve.tenants import TenantRegistry
+from kvfence.sglang_stack.edge import Edge, EdgeSpec
 
 EXPECTED = {"version": metadata.version("kvfence"), "engine": "kvfence"}
 

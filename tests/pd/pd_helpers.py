@@ -18,11 +18,11 @@ import httpx
 import openai
 
 from kvfence.faults import FaultSet
+from kvfence.hub.backend import PDBackend, Timeouts
 from kvfence.model.config import ModelConfig
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve.app import create_app
 from kvfence.serve.config import ServeConfig
-from kvfence.serve.pd.backend import PDBackend, Timeouts
 from kvfence.serve.supervisor import free_port, spawn
 from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.thread import ServerThread

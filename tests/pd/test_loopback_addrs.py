@@ -17,8 +17,8 @@ import zmq
 
 from kvfence.audit.embedded import started_all, wait_ready
 from kvfence.engine.messages import Abort
+from kvfence.hub.launch import IPC_PATH_MAX, Loopback
 from kvfence.serve.channel import Inbox, Outbox
-from kvfence.serve.pd.launch import IPC_PATH_MAX, Loopback
 from kvfence.serve.supervisor import EPHEMERAL_DEFAULT, ephemeral_range, free_port
 
 

@@ -3,7 +3,7 @@
 `kvfence serve --disaggregated` (sglang-router by default, kvfence's hub with `--router
 kvfence`) starts every role with `supervisor.spawn`, which arms a parent-death signal in
 each child (the hub's workers are forked by the worker group, each armed against the
-group, so the signal passes down: serve/pd/worker_group.py). SIGKILL runs none of the
+group, so the signal passes down: hub/worker_group.py). SIGKILL runs none of the
 supervisor's own clean-up, so only that signal can stop the children. The run with the
 hook disabled (the same command, with `parent_death_hook` replaced by one that arms
 nothing) shows the check can fail: there the children are still running long after their

@@ -265,14 +265,14 @@ def test_serve_disaggregated_command(pd_checkpoint: Path, tmp_path: Path) -> Non
         assert info["disaggregated"] and info["transport"] == "shm"
         # The worker group and the two workers it forked (they keep its command line; their
         # process names tell them apart), not fresh interpreters: torch was imported once.
-        group = _pids(f"kvfence.serve.pd.worker_group {tmp_path}")
+        group = _pids(f"kvfence.hub.worker_group {tmp_path}")
         assert len(group) == 3, group
         names = sorted(Path(f"/proc/{pid}/comm").read_text().strip() for pid in group)
         # The group keeps the interpreter's own name (python or python3, by installation).
         assert names[:2] == ["kvf-decode-0", "kvf-prefill-0"], names
         assert names[2].startswith("python"), names
-        assert _running(f"kvfence.serve.pd.worker_entry {tmp_path}") == 0
-        assert _running(f"kvfence.serve.pd.router_entry {tmp_path}") == 1
+        assert _running(f"kvfence.hub.worker_entry {tmp_path}") == 0
+        assert _running(f"kvfence.hub.router_entry {tmp_path}") == 1
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
@@ -283,7 +283,7 @@ def test_serve_disaggregated_command(pd_checkpoint: Path, tmp_path: Path) -> Non
 
 def _worker_pid(tmp_path: Path, name: str) -> int:
     """The pid of the worker `name` (prefill-0) under the supervisor whose specs are in tmp_path."""
-    for pid in _pids(f"kvfence.serve.pd.worker_group {tmp_path}"):
+    for pid in _pids(f"kvfence.hub.worker_group {tmp_path}"):
         if Path(f"/proc/{pid}/comm").read_text().strip() == f"kvf-{name}":
             return pid
     raise AssertionError(f"no process named kvf-{name}")
@@ -324,7 +324,7 @@ def test_workers_start_as_interpreters_when_the_group_cannot_fork_safely(
         url = re.search(r"at (http://\S+)", text)
         assert url is not None, text
         assert "cannot fork safely" in text, text
-        assert _running(f"kvfence.serve.pd.worker_entry {tmp_path}") == 2
+        assert _running(f"kvfence.hub.worker_entry {tmp_path}") == 2
         body = {"prompt": "hello group", "max_tokens": 8, "temperature": 0}
         r = httpx.post(f"{url.group(1)}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("hello group")

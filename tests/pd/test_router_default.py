@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvfence.cli import main
-from kvfence.serve.cli import serve
-from kvfence.serve.options import PDRouter, ServeOptions
+from kvfence.launch.cli import serve
+from kvfence.launch.options import PDRouter, ServeOptions
 
 BASE = ["serve", "--disaggregated", "--model", "/nonexistent/m"]
 

@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvfence.cli import main
-from kvfence.serve.pd.launch import Loopback, router_child
-from kvfence.serve.pd.router_entry import tenants_of
+from kvfence.hub.launch import Loopback, router_child
+from kvfence.hub.router_entry import tenants_of
 from kvfence.serve.specs import RouterSpec, SpecError, decode_spec, encode_spec, read_spec
 from kvfence.serve.tenants import TenantRegistry
 
@@ -41,7 +41,7 @@ def _doc(**body: object) -> str:
 def test_the_supervisor_hands_the_router_its_spec_and_tenants_as_files(tmp_path: Path) -> None:
     tenants = TenantRegistry.generate(("a", "b"))
     child = router_child(SPEC, tenants, tmp_path)
-    assert child.argv == (sys.executable, "-m", "kvfence.serve.pd.router_entry", child.argv[-1])
+    assert child.argv == (sys.executable, "-m", "kvfence.hub.router_entry", child.argv[-1])
     path = Path(child.argv[-1])
     got = read_spec(RouterSpec, path)
     assert got.tenants_file == str(tmp_path / "tenants.json") and not got.no_auth
@@ -90,7 +90,7 @@ def test_a_bad_router_spec_is_refused_naming_the_field(raw: str, why: str) -> No
 
 def _router_entry(path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvfence.serve.pd.router_entry", str(path)],
+        [sys.executable, "-m", "kvfence.hub.router_entry", str(path)],
         capture_output=True,
         text=True,
         timeout=60,

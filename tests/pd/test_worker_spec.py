@@ -76,7 +76,7 @@ def test_the_worker_entry_exits_2_on_a_bad_spec_before_loading_a_model(tmp_path:
     path = tmp_path / "prefill-0.json"
     path.write_text(_doc(role="nobody"))
     out = subprocess.run(
-        [sys.executable, "-m", "kvfence.serve.pd.worker_entry", str(path)],
+        [sys.executable, "-m", "kvfence.hub.worker_entry", str(path)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -90,7 +90,7 @@ def test_the_worker_group_exits_2_on_any_bad_spec_before_it_forks(tmp_path: Path
     good.write_text(encode_spec(SPEC))
     bad.write_text(_doc(role="nobody"))
     out = subprocess.run(
-        [sys.executable, "-m", "kvfence.serve.pd.worker_group", str(good), str(bad)],
+        [sys.executable, "-m", "kvfence.hub.worker_group", str(good), str(bad)],
         capture_output=True,
         text=True,
         timeout=60,

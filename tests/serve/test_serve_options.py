@@ -17,16 +17,16 @@ from kvfence.cli import main
 from kvfence.engine.prefill_order import PrefillOrder
 from kvfence.faults import Fault, FaultSet
 from kvfence.kv.scrub import ScrubPolicy
-from kvfence.serve.cli import serve
-from kvfence.serve.config import ServeConfig
-from kvfence.serve.option_types import PerRole
-from kvfence.serve.options import (
+from kvfence.launch.cli import serve
+from kvfence.launch.option_types import PerRole
+from kvfence.launch.options import (
     PDRouter,
     Role,
     ServeOptions,
     sglang_worker_spec,
     stack_worker_argv,
 )
+from kvfence.serve.config import ServeConfig
 from kvfence.serve.specs import RouterSpec, SglangWorkerSpec, WorkerSpec, decode_spec, encode_spec
 
 MODEL = ["--model", "/models/m"]  # never read: nothing here loads a model

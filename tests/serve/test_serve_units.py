@@ -168,10 +168,10 @@ def test_the_step_budget_reaches_every_engine_a_serve_command_builds(
     """`--max-batch-tokens`: the single-process engine, the hub's workers, SGLang's workers."""
     import click
 
+    from kvfence.launch.cli import serve
+    from kvfence.launch.options import Role, ServeOptions, stack_worker_argv
     from kvfence.model.tiny import make_tiny_checkpoint
     from kvfence.serve.build import PoolSizes, build_local
-    from kvfence.serve.cli import serve
-    from kvfence.serve.options import Role, ServeOptions, stack_worker_argv
     from kvfence.serve.specs import engine_config
 
     ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("budget") / "t")
@@ -200,10 +200,10 @@ def test_the_prefill_order_reaches_every_engine_a_serve_command_builds(
     import click
 
     from kvfence.engine.prefill_order import PrefillOrder
+    from kvfence.launch.cli import serve
+    from kvfence.launch.options import Role, ServeOptions, stack_worker_argv
     from kvfence.model.tiny import make_tiny_checkpoint
     from kvfence.serve.build import PoolSizes, build_local
-    from kvfence.serve.cli import serve
-    from kvfence.serve.options import Role, ServeOptions, stack_worker_argv
     from kvfence.serve.specs import engine_config
 
     ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("order") / "t")

@@ -52,8 +52,8 @@ def test_the_single_server_path_imports_neither_fastapi_nor_pydantic() -> None:
     # of a server's start-up, for features kvfence does not use (bench/serve_ready.py).
     code = (
         "import sys\n"
-        "import kvfence.serve.cli, kvfence.serve.build, kvfence.serve.app, kvfence.serve.thread\n"
-        "import kvfence.serve.sglang.worker\n"
+        "import kvfence.launch.cli, kvfence.serve.build, kvfence.serve.app, kvfence.serve.thread\n"
+        "import kvfence.sglang_stack.worker\n"
         "print(sorted(m for m in ('fastapi', 'pydantic') if m in sys.modules))\n"
     )
     out = subprocess.run(

@@ -15,8 +15,8 @@ from kvfence.faults import Fault, FaultSet
 from kvfence.lab.profiles import Scale
 from kvfence.lab.scenario import Exchange, find_leak
 from kvfence.model.tokenizer import Tokenizer
-from kvfence.serve.sglang.stack import Stack, StackSpec
 from kvfence.serve.tenants import TenantRegistry
+from kvfence.sglang_stack.stack import Stack, StackSpec
 
 SCALE = Scale()  # the incident's numbers scaled down: context 512, prefill pool 336, decode 1024
 OPERATOR_KEY = "sk-operator-sglang-tests-0001"

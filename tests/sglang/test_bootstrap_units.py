@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvfence.faults import Fault, FaultSet
-from kvfence.serve.sglang.routing import trusts_client_room
+from kvfence.sglang_stack.routing import trusts_client_room
 
 ROOM = {"prompt": "hi", "bootstrap_host": "127.0.0.1", "bootstrap_port": 9, "bootstrap_room": 5}
 TRUSTING = FaultSet.of(Fault.DECODE_TRUSTS_BOOTSTRAP)

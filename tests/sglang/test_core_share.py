@@ -1,4 +1,4 @@
-"""The stack's co-located workers share the host's cores step by step (serve/sglang/cores.py).
+"""The stack's co-located workers share the host's cores step by step (sglang_stack/cores.py).
 
 A worker stepping alone takes every core; beside another stepping worker, its share; once
 the other goes idle, every core again. The scoreboard is a real shared file, read and written
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvfence.serve.sglang.cores import ENV, CoreShare, CoreShareSpec
-from kvfence.serve.sglang.stack import Stack, StackSpec
+from kvfence.sglang_stack.cores import ENV, CoreShare, CoreShareSpec
+from kvfence.sglang_stack.stack import Stack, StackSpec
 
 
 def _views(

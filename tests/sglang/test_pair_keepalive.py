@@ -33,8 +33,8 @@ from kvfence.engine.messages import (
 )
 from kvfence.faults import FaultSet
 from kvfence.model.loader import load_model
-from kvfence.serve.sglang.decode import DecodeSide
 from kvfence.serve.specs import WorkerSpec, engine_config
+from kvfence.sglang_stack.decode import DecodeSide
 from kvfence.transfer.registry import get_transport
 
 WAIT_S = 2.0

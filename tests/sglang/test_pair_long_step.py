@@ -26,9 +26,9 @@ from kvfence.faults import FaultSet
 from kvfence.kv.pool import KVPool
 from kvfence.model.base import CausalLM, ForwardBatch
 from kvfence.model.loader import load_model
-from kvfence.serve.sglang.decode import DecodeSide
-from kvfence.serve.sglang.prefill import PrefillSide
 from kvfence.serve.specs import WorkerSpec, engine_config
+from kvfence.sglang_stack.decode import DecodeSide
+from kvfence.sglang_stack.prefill import PrefillSide
 from kvfence.transfer.registry import get_transport
 
 WAIT_S = 1.5  # decode's pair wait (the real one is 30 s)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvfence.serve.sglang.router_errors import conform, named_field, refusal, unreadable
+from kvfence.sglang_stack.router_errors import conform, named_field, refusal, unreadable
 
 CUT_STREAM_REFUSAL = (
     b'data: {\'error\': {"message":{"error":{"message":"prompt (73 tokens) + max_tokens '

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("sglang_router")
 
-from kvfence.serve.sglang.router_main import ARGS_ON_STDIN, parse
+from kvfence.sglang_stack.router_main import ARGS_ON_STDIN, parse
 
 PD = [
     "--pd-disaggregation",
@@ -36,7 +36,7 @@ def test_the_python_debugging_balancer_is_refused() -> None:
 
 def test_a_stack_that_stops_before_handing_the_arguments_ends_the_router() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "kvfence.serve.sglang.router_main", ARGS_ON_STDIN],
+        [sys.executable, "-m", "kvfence.sglang_stack.router_main", ARGS_ON_STDIN],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,

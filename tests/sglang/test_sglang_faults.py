@@ -37,8 +37,8 @@ from sgl_helpers import OPERATOR_KEY, SCALE, text_of
 
 from kvfence.faults import Fault, FaultSet
 from kvfence.model.tokenizer import Tokenizer
-from kvfence.serve.sglang.stack import Stack, StackSpec, Worker
 from kvfence.serve.tenants import TenantRegistry
+from kvfence.sglang_stack.stack import Stack, StackSpec, Worker
 
 pytestmark = pytest.mark.slow
 SENTINEL = "ZQXTBNVLQJ"

@@ -18,7 +18,7 @@ import pytest
 from sgl_helpers import Fleet, complete, fleet, text_of, wait_quiet
 
 from kvfence.serve.errors import ApiError
-from kvfence.serve.sglang.generate import completion_body
+from kvfence.sglang_stack.generate import completion_body
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
 

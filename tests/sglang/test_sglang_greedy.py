@@ -24,8 +24,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "pd"))  # tests/pd: test_pd_e2e.py
 from test_pd_e2e import PROMPTS, _complete, _single_process_texts
 
-from kvfence.serve.sglang.stack import Stack, StackSpec
 from kvfence.serve.tenants import TenantRegistry
+from kvfence.sglang_stack.stack import Stack, StackSpec
 
 pytestmark = pytest.mark.slow
 

@@ -32,8 +32,8 @@ from test_pd_e2e import PROMPTS, _complete, _single_process_texts
 
 from kvfence.model.config import ModelConfig
 from kvfence.model.tokenizer import Tokenizer
-from kvfence.serve.sglang.worker import ANNOUNCE
 from kvfence.serve.tenants import TenantRegistry
+from kvfence.sglang_stack.worker import ANNOUNCE
 
 pytestmark = pytest.mark.slow
 

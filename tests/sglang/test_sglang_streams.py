@@ -19,8 +19,8 @@ import openai
 import pytest
 
 from kvfence.model.tokenizer import Tokenizer
-from kvfence.serve.sglang.stack import Stack, StackSpec, Worker
 from kvfence.serve.tenants import TenantRegistry
+from kvfence.sglang_stack.stack import Stack, StackSpec, Worker
 
 pytestmark = pytest.mark.slow
 

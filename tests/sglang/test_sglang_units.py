@@ -12,8 +12,8 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from kvfence.serve.errors import ApiError
-from kvfence.serve.sglang.fields import BOOTSTRAP_FIELDS, split_router_fields
-from kvfence.serve.sglang.gate import VIA_ROUTER, RouterGate
+from kvfence.sglang_stack.fields import BOOTSTRAP_FIELDS, split_router_fields
+from kvfence.sglang_stack.gate import VIA_ROUTER, RouterGate
 
 SECRET = "0123456789abcdef0123456789abcdef"
 ROUTED = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 9000, "bootstrap_room": 2**63 - 1}

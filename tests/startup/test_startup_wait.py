@@ -180,7 +180,7 @@ def test_failure_message_names_everything() -> None:
 def test_a_stack_whose_worker_dies_fails_at_once_naming_it(tmp_path: Path) -> None:
     """The sglang stack's start-up waits follow each part: a worker that exits at start ends
     the wait with its log, well inside the stall window, instead of waiting out a deadline."""
-    from kvfence.serve.sglang.stack import Stack, StackError, StackSpec
+    from kvfence.sglang_stack.stack import Stack, StackError, StackSpec
 
     tenants = tmp_path / "tenants.json"
     tenants.write_text('{"tenants": [{"name": "a", "keys": ["sk-tenant-a-0123456789"]}]}')

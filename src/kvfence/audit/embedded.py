@@ -66,7 +66,7 @@ REPORT_NAMES = MappingProxyType(
 STARTED_HERE = "started by this command as `kvfence serve`"
 
 
-# The line `kvfence serve` prints once it listens (serve/cli.py: announce).
+# The line `kvfence serve` prints once it listens (launch/cli.py: announce).
 ANNOUNCED = re.compile(rb"kvfence serving \S+ at (http://\S+)")
 
 

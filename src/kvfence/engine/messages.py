@@ -15,7 +15,7 @@ The PD protocol (one request):
   any     -> router : Failure          the original error; the request ends with it
   router  -> any    : Abort            client gone / rejected: stop and release (deferred, I7)
 
-Behind SGLang's router (serve/sglang/), both workers get the request; decode
+Behind SGLang's router (sglang_stack/), both workers get the request; decode
 registers its reservation at prefill's bootstrap port instead of the router
 relaying it:
   decode  -> prefill: RoomRegistration the router's room, the tenant decode authenticated,

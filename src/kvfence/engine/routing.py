@@ -1,7 +1,7 @@
 """The router role: bootstrap -> ready -> prefill work -> deliver exactly once.
 
 Shared by the two backends: the in-process pipeline (engine/pipeline.py)
-and the disaggregated one (serve/pd/backend.py). A room opens with the
+and the disaggregated one (hub/backend.py). A room opens with the
 decode `Bootstrap` (a room in use is refused, never merged: I9); when decode
 has reserved the pages, `ready` turns the work into `PrefillWork` for those
 pages, once; every event goes to the room's sink, and the room closes with

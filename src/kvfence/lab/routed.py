@@ -2,7 +2,7 @@
 
 `routed_server` is a `ServerFactory` (scenario.py) for the topology the
 incident ran on: the real `sglang-router --pd-disaggregation` in front of one
-kvfence prefill and one kvfence decode worker (`serve/sglang/stack.py`), the
+kvfence prefill and one kvfence decode worker (`sglang_stack/stack.py`), the
 KV moved by a real transfer engine (Mooncake over TCP by default), with the
 same scaled pools and fault switches as the single-process lab server. The
 router accepts text prompts only, so the scenario sends text there.
@@ -30,8 +30,8 @@ from kvfence.lab.scenario import (
     lab_server,
 )
 from kvfence.model.tokenizer import Tokenizer
-from kvfence.serve.sglang.stack import Stack, StackSpec
 from kvfence.serve.tenants import TenantRegistry
+from kvfence.sglang_stack.stack import Stack, StackSpec
 
 TOPOLOGIES = ("single", "sglang-router")
 

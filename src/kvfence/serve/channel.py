@@ -9,7 +9,7 @@ worker).
 
 The same classes run in one process over `inproc://` addresses (tests, the
 single-process mode when it wants real sockets), between the roles on one host over
-`ipc://` paths (serve/pd/launch.py), and across hosts over `tcp://`.
+`ipc://` paths (hub/launch.py), and across hosts over `tcp://`.
 """
 
 from __future__ import annotations

@@ -234,7 +234,7 @@ class SglangWorkerSpec:
     need."""
 
     worker: WorkerSpec
-    secret: str  # the router credential: its path prefix (serve/sglang/gate.py)
+    secret: str  # the router credential: its path prefix (sglang_stack/gate.py)
     host: str = "127.0.0.1"
     port: int = 0
     bootstrap_port: int = 0  # prefill: the router's `--prefill URL BOOTSTRAP_PORT`
@@ -301,5 +301,5 @@ def spec_from_argv(cls: type[Spec], argv: list[str]) -> Spec:
     """A child entry's one argument, its spec file, read and validated."""
     if len(argv) != 1:
         entry = _what(cls).split()[0] + "_entry"
-        raise SpecError(f"usage: python -m kvfence.serve.pd.{entry} SPEC.json")
+        raise SpecError(f"usage: python -m kvfence.hub.{entry} SPEC.json")
     return read_spec(cls, Path(argv[0]))

@@ -146,7 +146,7 @@ def _any_caches(nodes: list[NodeFacts]) -> Fact:
 
 class SglangRouterTarget(RouterTarget):
     engine: ClassVar[str] = "sglang-router"
-    # SGLang workers, or kvfence's (`kvfence serve --router sglang`, serve/sglang/).
+    # SGLang workers, or kvfence's (`kvfence serve --router sglang`, sglang_stack/).
     worker_adapters: ClassVar[tuple[type[Target], ...]] = (KvfenceTarget, SglangTarget)
     forwards_salt: ClassVar[str | None] = (
         "sglang-router 0.3.2 forwards cache_salt on /v1/completions (seen live); "

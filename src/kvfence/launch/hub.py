@@ -2,9 +2,9 @@
 
 `--disaggregated` starts the router and the workers as supervised children on loopback;
 `--role` runs one of them (what the hub still does that sglang-router cannot is in the
-README). SGLang's router is serve/sglang/cli.py's.
+README). SGLang's router is launch/sglang.py's.
 
-Each role's spec is derived once from the parsed options (serve/options.py), by the same
+Each role's spec is derived once from the parsed options (launch/options.py), by the same
 method whether the role runs in this process (`--role`) or as a child of `--disaggregated`:
 a `WorkerSpec` or the `RouterSpec` goes to its process whole (serve/specs.py), never back
 through argv.
@@ -12,8 +12,8 @@ through argv.
 
 from __future__ import annotations
 
-from kvfence.serve.options import Role, ServeOptions
-from kvfence.serve.pd.launch import Loopback, run_disaggregated
+from kvfence.hub.launch import Loopback, run_disaggregated
+from kvfence.launch.options import Role, ServeOptions
 from kvfence.serve.specs import RouterSpec, WorkerSpec
 from kvfence.serve.startup import collector_paused
 from kvfence.serve.tenants import TenantRegistry
@@ -27,10 +27,10 @@ def pd_main(options: ServeOptions, tenants: TenantRegistry) -> int:
     if options.role is Role.ROUTER:
         router = options.router_spec(options.inbox, options.prefill_addr, options.decode_addr)
         with collector_paused():  # start-up imports (serve/startup.py)
-            from kvfence.serve.pd.router_role import run_router  # the web stack: past validation
+            from kvfence.hub.router_role import run_router  # the web stack: past validation
 
         return run_router(router, tenants)
-    from kvfence.serve.pd.worker_entry import run_worker_process
+    from kvfence.hub.worker_entry import run_worker_process
 
     assert options.router_addr is not None
     return run_worker_process(options.worker_spec(options.role, options.inbox, options.router_addr))

@@ -66,10 +66,10 @@ from kvfence.serve.limits import (
     default_limits,
 )
 from kvfence.serve.responses import DONE, sse
-from kvfence.serve.sglang.edge_body import Route, check, for_router
-from kvfence.serve.sglang.router_errors import conform, refusal, unreadable
 from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.version import version_response
+from kvfence.sglang_stack.edge_body import Route, check, for_router
+from kvfence.sglang_stack.router_errors import conform, refusal, unreadable
 
 DONE_BYTES = DONE.strip().encode()  # b"data: [DONE]"
 _RETRY_AFTER = re.compile(r"retry after (\d+) s")

@@ -72,7 +72,7 @@ def worker_children(spec_for: WorkerSpecFor, addrs: Loopback, spec_dir: Path) ->
             path = spec_dir / f"{role}-{i}.json"
             write_spec(spec_for(role, inbox, addrs.router), path)
             paths.append(str(path))
-    argv = (sys.executable, "-m", "kvfence.serve.pd.worker_group", *paths)
+    argv = (sys.executable, "-m", "kvfence.hub.worker_group", *paths)
     return [ChildSpec("workers", argv)]
 
 
@@ -89,7 +89,7 @@ def router_child(spec: RouterSpec, tenants: TenantRegistry, spec_dir: Path) -> C
         spec = dataclasses.replace(spec, tenants_file=str(tenants_file), no_auth=False)
     path = spec_dir / "router.json"
     write_spec(spec, path)
-    return ChildSpec("router", (sys.executable, "-m", "kvfence.serve.pd.router_entry", str(path)))
+    return ChildSpec("router", (sys.executable, "-m", "kvfence.hub.router_entry", str(path)))
 
 
 def run_disaggregated(

@@ -1,9 +1,9 @@
 """Every worker of one host from one interpreter: torch imported once, each worker forked.
 
-    python -m kvfence.serve.pd.worker_group SPEC.json [SPEC.json ...]
+    python -m kvfence.hub.worker_group SPEC.json [SPEC.json ...]
 
 `kvfence serve --disaggregated` starts its prefill and decode workers with this entry
-(serve/pd/launch.py). Importing torch costs each process about 1.3 s of CPU; the main
+(hub/launch.py). Importing torch costs each process about 1.3 s of CPU; the main
 job's two servers started four workers at once on two cores, so those imports were most
 of its start-up. Here the group validates every spec, imports the worker code once,
 and forks one worker per spec (named for its spec file: `prefill-0`, `decode-0`). Each
@@ -65,7 +65,7 @@ def _raise_stop(signum: int, frame: object) -> None:
 def read_members(argv: Sequence[str]) -> list[Member]:
     """Every spec read and validated before any worker starts (SpecError names the bad one)."""
     if not argv:
-        raise SpecError("usage: python -m kvfence.serve.pd.worker_group SPEC.json [SPEC.json ...]")
+        raise SpecError("usage: python -m kvfence.hub.worker_group SPEC.json [SPEC.json ...]")
     return [Member(Path(a).stem, Path(a), read_spec(WorkerSpec, Path(a))) for a in argv]
 
 
@@ -107,7 +107,7 @@ def _fork_worker(member: Member, inherited: Inherited) -> int:
         if arm is not None:
             arm()
         name_it(member.name)
-        from kvfence.serve.pd.worker_entry import run_worker_process
+        from kvfence.hub.worker_entry import run_worker_process
 
         run_worker_process(member.spec)  # ends the process
     except BaseException:  # never unwind into the group's own frames
@@ -130,7 +130,7 @@ def start_members(members: Sequence[Member], alive: dict[int, str], inherited: I
         "starting each worker as its own interpreter",
         file=sys.stderr,
     )
-    argv = (sys.executable, "-m", "kvfence.serve.pd.worker_entry")
+    argv = (sys.executable, "-m", "kvfence.hub.worker_entry")
     for m in members:
         alive[spawn((*argv, str(m.path))).pid] = m.name
 
@@ -200,7 +200,7 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads (docstring)
 
     with collector_paused():  # the imports every worker shares, done once (serve/startup.py)
-        import kvfence.serve.pd.workers  # noqa: F401
+        import kvfence.hub.workers  # noqa: F401
     rc = run_group(members)
     sys.stdout.flush()
     sys.stderr.flush()

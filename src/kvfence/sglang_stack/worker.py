@@ -26,15 +26,15 @@ from kvfence.kv.scrub import ScrubPolicy
 from kvfence.model.loader import LoadedModel, load_model
 from kvfence.serve.config import Capacity, ServeConfig
 from kvfence.serve.serving import Listen, Server, run_server
-from kvfence.serve.sglang.cores import from_environment
-from kvfence.serve.sglang.decode import DecodeSide
-from kvfence.serve.sglang.gate import RouterGate
-from kvfence.serve.sglang.generate import add_generate_route
-from kvfence.serve.sglang.prefill import PrefillSide
-from kvfence.serve.sglang.routing import WorkerRouter
-from kvfence.serve.sglang.side import PairSide
 from kvfence.serve.specs import SglangWorkerSpec, engine_config
 from kvfence.serve.tenants import TenantRegistry
+from kvfence.sglang_stack.cores import from_environment
+from kvfence.sglang_stack.decode import DecodeSide
+from kvfence.sglang_stack.gate import RouterGate
+from kvfence.sglang_stack.generate import add_generate_route
+from kvfence.sglang_stack.prefill import PrefillSide
+from kvfence.sglang_stack.routing import WorkerRouter
+from kvfence.sglang_stack.side import PairSide
 from kvfence.transfer.lab_holds import LabHold
 from kvfence.transfer.registry import get_transport
 

@@ -24,8 +24,8 @@ from kvfence.engine.messages import ErrorInfo, Message
 from kvfence.roles.decode import DecodeRole
 from kvfence.roles.prefill import PrefillRole
 from kvfence.serve.channel import Inbox, Outbox, Waker
-from kvfence.serve.sglang.cores import CoreShare
-from kvfence.serve.sglang.fields import RoomBinding
+from kvfence.sglang_stack.cores import CoreShare
+from kvfence.sglang_stack.fields import RoomBinding
 
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 10

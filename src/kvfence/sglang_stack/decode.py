@@ -32,7 +32,7 @@ from kvfence.engine.routing import Room, Rooms, Stage
 from kvfence.faults import FaultSet
 from kvfence.roles.control import DecodeInput
 from kvfence.roles.decode import DecodeRole
-from kvfence.serve.sglang.side import PAIR_TIMEOUT_S, Cancel, PairSide, Reject, Submit
+from kvfence.sglang_stack.side import PAIR_TIMEOUT_S, Cancel, PairSide, Reject, Submit
 from kvfence.transfer.base import KVReceiver
 from kvfence.transfer.lab_holds import LabHold
 

@@ -28,13 +28,13 @@ from kvfence.serve.errors import ApiError
 from kvfence.serve.fields import load_json
 from kvfence.serve.protocol import Kind
 from kvfence.serve.router import Router, Run
-from kvfence.serve.sglang.fields import (
+from kvfence.sglang_stack.fields import (
     BOOTSTRAP_FIELDS,
     RoomBinding,
     direct_refused,
     split_router_fields,
 )
-from kvfence.serve.sglang.gate import VIA_ROUTER
+from kvfence.sglang_stack.gate import VIA_ROUTER
 
 
 class PairedBackend(Backend, Protocol):

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvfence.hub.backend import PDBackend
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve.announce import announce
 from kvfence.serve.config import Capacity
-from kvfence.serve.pd.backend import PDBackend
 from kvfence.serve.serving import Listen, Server, run_server
 from kvfence.serve.specs import RouterSpec
 from kvfence.serve.tenants import TenantRegistry

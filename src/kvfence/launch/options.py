@@ -1,6 +1,6 @@
 """`kvfence serve`'s options, parsed once into one frozen, typed value.
 
-The click options (serve/cli.py) convert each flag to its type as they parse (enums as enums,
+The click options (launch/cli.py) convert each flag to its type as they parse (enums as enums,
 paths as `Path`, `--kv-pages` as a `PerRole`, `--lab-fault` as a `FaultSet`), and each
 option's parameter name is a field here, so `ServeOptions(**ctx.params)` is the whole
 hand-over. What no single flag can check (one flag excluding or needing another) is checked
@@ -23,12 +23,12 @@ import click
 from kvfence.engine.prefill_order import PrefillOrder
 from kvfence.faults import FaultSet
 from kvfence.kv.scrub import ScrubPolicy
-from kvfence.serve.option_types import PerRole
+from kvfence.launch.option_types import PerRole
 from kvfence.serve.specs import RouterSpec, SglangWorkerSpec, WorkerSpec, is_loopback
 
 if TYPE_CHECKING:
     from kvfence.serve.build import ServerParts
-    from kvfence.serve.sglang.stack import StackSpec
+    from kvfence.sglang_stack.stack import StackSpec
 
 
 class Role(enum.Enum):
@@ -42,8 +42,8 @@ class Role(enum.Enum):
 class PDRouter(enum.Enum):
     """`--router`: the router in front of the prefill and decode workers."""
 
-    KVFENCE = "kvfence"  # kvfence's own hub (serve/pd/)
-    SGLANG = "sglang"  # SGLang's sglang-router (serve/sglang/)
+    KVFENCE = "kvfence"  # kvfence's own hub (hub/)
+    SGLANG = "sglang"  # SGLang's sglang-router (sglang_stack/)
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,7 +324,7 @@ def stack_worker_argv(options: ServeOptions) -> tuple[str, ...]:
 
 def stack_spec(options: ServeOptions, tenants_file: Path) -> StackSpec:
     """`--disaggregated` behind sglang-router: the router, its edge and every worker."""
-    from kvfence.serve.sglang.stack import StackSpec
+    from kvfence.sglang_stack.stack import StackSpec
 
     return StackSpec(
         worker_args=stack_worker_argv(options),

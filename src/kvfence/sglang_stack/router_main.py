@@ -1,4 +1,4 @@
-"""`python -m kvfence.serve.sglang.router_main ARGS`: SGLang's Rust router, started lean.
+"""`python -m kvfence.sglang_stack.router_main ARGS`: SGLang's Rust router, started lean.
 
 The same arguments and the same router as `python -m sglang_router.launch_router`
 (sglang-router's own `RouterArgs` parse and check them, its Rust `Router` runs,
@@ -26,7 +26,7 @@ def parse(argv: list[str]) -> Any:
     """sglang-router's `RouterArgs` for `argv`, checked as its own launcher checks them."""
     from sglang_router.router_args import RouterArgs
 
-    parser = argparse.ArgumentParser(prog="python -m kvfence.serve.sglang.router_main")
+    parser = argparse.ArgumentParser(prog="python -m kvfence.sglang_stack.router_main")
     RouterArgs.add_cli_args(parser, use_router_prefix=False)
     args = RouterArgs.from_cli_args(parser.parse_args(argv), use_router_prefix=False)
     if args.mini_lb:

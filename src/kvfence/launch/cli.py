@@ -1,6 +1,6 @@
 """`kvfence serve`: every topology's entry point, and the single-process server.
 
-The options are parsed once, into a `ServeOptions` (serve/options.py): each click option's
+The options are parsed once, into a `ServeOptions` (launch/options.py): each click option's
 parameter name is one of its fields, and its type converts the flag. With no arguments: the
 tiny checkpoint (made on first use in the cache directory), the in-process pipeline,
 loopback, a free port, and two tenants with fresh keys; it prints the URL, a key and a
@@ -21,12 +21,12 @@ from kvfence.engine.config import EngineConfig, default_of
 from kvfence.engine.prefill_order import PrefillOrder
 from kvfence.engine.sizing import DEFAULT_HEADROOM
 from kvfence.kv.scrub import ScrubPolicy
+from kvfence.launch.option_types import PER_ROLE, EnumChoice, PerRole, parse_faults
+from kvfence.launch.options import PDRouter, Role, ServeOptions
 from kvfence.model.config import MODEL_KINDS
 from kvfence.model.tiny import PRESETS
 from kvfence.serve.announce import announce
 from kvfence.serve.config import Capacity, ServeConfig
-from kvfence.serve.option_types import PER_ROLE, EnumChoice, PerRole, parse_faults
-from kvfence.serve.options import PDRouter, Role, ServeOptions
 from kvfence.serve.pool_sizing import DEFAULT_KV_FRACTION, gate_fix_hint
 from kvfence.serve.process_tuning import tune_serving_process
 from kvfence.serve.specs import CROSS_PROCESS, LOG_LEVELS, WorkerSpec
@@ -245,10 +245,10 @@ def serve(**given: Any) -> None:
     if (missing := missing_native(options.transport)) is not None:
         raise click.UsageError(missing)
     if options.pd_router is PDRouter.SGLANG:
-        from kvfence.serve.sglang.cli import sglang_main
+        from kvfence.launch.sglang import sglang_main
 
         sys.exit(sglang_main(options, tenants))
-    from kvfence.serve.pd.cli import pd_main
+    from kvfence.launch.hub import pd_main
 
     sys.exit(pd_main(options, tenants))
 

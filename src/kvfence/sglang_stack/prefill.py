@@ -35,8 +35,8 @@ from kvfence.engine.prefill import OutboundTransfer, PrefillEngine
 from kvfence.faults import Fault
 from kvfence.roles.control import PrefillInput
 from kvfence.roles.prefill import PrefillRole
-from kvfence.serve.sglang.keepalive import KeepAlive
-from kvfence.serve.sglang.side import (
+from kvfence.sglang_stack.keepalive import KeepAlive
+from kvfence.sglang_stack.side import (
     KEEPALIVE_S,
     PAIR_TIMEOUT_S,
     Cancel,

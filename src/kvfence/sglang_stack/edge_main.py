@@ -1,4 +1,4 @@
-"""`python -m kvfence.serve.sglang.edge_main --args-on-stdin`: the stack's public address.
+"""`python -m kvfence.sglang_stack.edge_main --args-on-stdin`: the stack's public address.
 
 Started beside the workers and the router (its imports overlap their model loads), it
 reads one JSON object on stdin once the router is up (`EdgeArgs`: where the router and
@@ -42,12 +42,12 @@ class EdgeArgs:
 
 
 def main(argv: list[str]) -> int:
-    from kvfence.serve.sglang.edge import Edge, EdgeSpec
     from kvfence.serve.tenants import TenantRegistry
     from kvfence.serve.thread import bind, serve_forever, url_of
+    from kvfence.sglang_stack.edge import Edge, EdgeSpec
 
     if argv != [ARGS_ON_STDIN]:
-        print(f"usage: python -m kvfence.serve.sglang.edge_main {ARGS_ON_STDIN}", file=sys.stderr)
+        print(f"usage: python -m kvfence.sglang_stack.edge_main {ARGS_ON_STDIN}", file=sys.stderr)
         return 2
     line = sys.stdin.readline()
     if not line:

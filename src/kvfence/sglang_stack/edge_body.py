@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 from kvfence.serve import protocol
 from kvfence.serve.errors import bad_request
-from kvfence.serve.sglang.fields import split_router_fields
-from kvfence.serve.sglang.generate import completion_body
+from kvfence.sglang_stack.fields import split_router_fields
+from kvfence.sglang_stack.generate import completion_body
 
 Route = Literal["completion", "chat", "generate"]
 FLT_MIN = 1.1754943508222875e-38  # the smallest normal float32

@@ -1,6 +1,6 @@
 """The router child's entry: the RouterSpec its supervisor built, validated, then the role.
 
-    python -m kvfence.serve.pd.router_entry SPEC.json
+    python -m kvfence.hub.router_entry SPEC.json
 
 `kvfence serve --disaggregated` writes the router's spec (serve/specs.py) beside the
 workers' and starts the router with this entry, as it starts each worker with
@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
     from kvfence.serve.startup import collector_paused
 
     with collector_paused():  # start-up imports (serve/startup.py)
-        from kvfence.serve.pd.router_role import run_router  # the web stack: past validation
+        from kvfence.hub.router_role import run_router  # the web stack: past validation
 
     return run_router(spec, tenants)
 

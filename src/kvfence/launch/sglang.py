@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from kvfence.serve.options import ServeOptions, sglang_worker_spec, stack_spec
+from kvfence.launch.options import ServeOptions, sglang_worker_spec, stack_spec
 from kvfence.serve.startup import collector_paused, set_torch_threads
 from kvfence.serve.supervisor import interrupts_unwind
 from kvfence.serve.tenants import TenantRegistry
@@ -19,7 +19,7 @@ from kvfence.serve.tenants import TenantRegistry
 
 def run_stack(options: ServeOptions, tenants: TenantRegistry) -> int:
     """sglang-router + the workers, supervised together; the router's URL is the public one."""
-    from kvfence.serve.sglang.stack import Stack
+    from kvfence.sglang_stack.stack import Stack
 
     with tempfile.TemporaryDirectory(prefix="kvfence-tenants-") as tmp:
         tenants_file = Path(tmp) / "tenants.json"
@@ -31,7 +31,7 @@ def run_stack(options: ServeOptions, tenants: TenantRegistry) -> int:
 
 
 def _run(stack: Any, tenants: TenantRegistry) -> int:
-    from kvfence.serve.sglang.stack import StackError
+    from kvfence.sglang_stack.stack import StackError
 
     try:
         stack.start()
@@ -85,7 +85,7 @@ def sglang_main(options: ServeOptions, tenants: TenantRegistry) -> int:
     # No kvfence control plane: the bootstrap channel replaces the inbox and the router.
     worker = options.worker_spec(options.role, inbox="-", router_addr="-")
     with collector_paused():  # start-up imports (serve/startup.py)
-        from kvfence.serve.sglang.worker import run_sglang_worker  # torch
+        from kvfence.sglang_stack.worker import run_sglang_worker  # torch
 
         set_torch_threads(worker.torch_threads)
     rc = run_sglang_worker(sglang_worker_spec(options, worker), tenants)

@@ -36,7 +36,7 @@ from kvfence.serve.errors import ApiError, bad_request
 from kvfence.serve.fields import load_json
 from kvfence.serve.responses import DONE, sse
 from kvfence.serve.router import Router
-from kvfence.serve.sglang.fields import BOOTSTRAP_FIELDS
+from kvfence.sglang_stack.fields import BOOTSTRAP_FIELDS
 
 # sglang-router 0.3.2 writes these into every /generate body (with `"model": null`).
 ROUTER_DEFAULTS: dict[str, object] = {

@@ -1,6 +1,6 @@
 """A worker process's entry: the WorkerSpec its supervisor built, validated, then the role.
 
-    python -m kvfence.serve.pd.worker_entry SPEC.json
+    python -m kvfence.hub.worker_entry SPEC.json
 
 `kvfence serve --disaggregated` writes one spec a worker (serve/specs.py) and starts each
 worker with this entry, so a role's options are built once, in the supervisor, and never
@@ -22,7 +22,7 @@ def run_worker_process(spec: WorkerSpec) -> int:
 
     with collector_paused():  # start-up imports (serve/startup.py)
         set_torch_threads(spec.torch_threads)
-        from kvfence.serve.pd.workers import run_worker
+        from kvfence.hub.workers import run_worker
 
     rc = run_worker(spec)  # sockets closed, shared memory unlinked, engines stopped
     # Skip interpreter finalisation: it took 7-20 s in workers holding torch and zmq state,

@@ -32,13 +32,13 @@ from types import TracebackType
 from typing import Any, cast
 
 from kvfence.serve.admission import BODY_FLOOR
-from kvfence.serve.sglang.cores import CoreShareSpec
-from kvfence.serve.sglang.edge_main import ANNOUNCE as EDGE_ANNOUNCE
-from kvfence.serve.sglang.edge_main import EdgeArgs
-from kvfence.serve.sglang.gate import router_url
-from kvfence.serve.sglang.router_main import ARGS_ON_STDIN
 from kvfence.serve.supervisor import Supervisor, free_port, spawn
 from kvfence.serve.tenants import TenantRegistry
+from kvfence.sglang_stack.cores import CoreShareSpec
+from kvfence.sglang_stack.edge_main import ANNOUNCE as EDGE_ANNOUNCE
+from kvfence.sglang_stack.edge_main import EdgeArgs
+from kvfence.sglang_stack.gate import router_url
+from kvfence.sglang_stack.router_main import ARGS_ON_STDIN
 from kvfence.startup_wait import Probe, StartupBounds, StartupFailed, wait_started
 
 ANNOUNCE = "KVFENCE_SGLANG_WORKER "  # worker.ANNOUNCE (kept torch-free here)
@@ -127,10 +127,10 @@ class Stack:
         for slot, (name, role) in enumerate(zip(names, roles, strict=True)):
             env = self._core_share(slot, len(roles))
             self._spawn(name, self._worker_argv(role, secret_file), env)
-        router = [sys.executable, "-m", "kvfence.serve.sglang.router_main", ARGS_ON_STDIN]
+        router = [sys.executable, "-m", "kvfence.sglang_stack.router_main", ARGS_ON_STDIN]
         self._spawn("sglang-router", router, stdin=subprocess.PIPE)
         if self.spec.edge:
-            edge = [sys.executable, "-m", "kvfence.serve.sglang.edge_main", ARGS_ON_STDIN]
+            edge = [sys.executable, "-m", "kvfence.sglang_stack.edge_main", ARGS_ON_STDIN]
             self._spawn("edge", edge, stdin=subprocess.PIPE)
         self.workers = [self._announced(n, r) for n, r in zip(names, roles, strict=True)]
         if not self.spec.edge:
