@@ -135,7 +135,7 @@ def test_layering_check_catches_an_upward_import(tmp_path: Path) -> None:
 
 
 def _package_of(name: str, root: Path) -> str | None:
-    """The top-level part of kvfence a module name lives in (`kvfence.launch.hub` -> serve,
+    """The top-level part of kvfence a module name lives in (`kvfence.launch.hub` -> launch,
     `kvfence.cli` -> cli); "kvfence" for the package's own `__init__`; None outside kvfence."""
     parts = name.split(".")
     if parts[0] != "kvfence":
