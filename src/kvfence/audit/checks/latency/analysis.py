@@ -28,10 +28,16 @@ over-predict the long prompts and page someone for nothing.
    A skipped prefill (a cross-tenant cache hit, a 1-token placeholder) makes
    every long probe fast and no neighbour.
 4. FAIL when p < alpha *and*
-   the physics is measurable: the extra cost ``q75 − median(short)`` clears
-   k·σ (σ: the short bucket's robust spread) and the Theil–Sen slope over
-   all shorter probes is > 0 — with ``strict_physics`` (the guard) its lower
-   95% bound is. FAIL ⊂ {p < alpha}, so the false-alarm rate is ≤ alpha.
+   the physics is measurable: the Theil–Sen slope over all shorter probes is
+   > 0 — with ``strict_physics`` (the guard) its lower 95% bound is — and
+   the same exact test, run on this sweep with the long probes' times
+   replaced by the short probes' (a total skip), fails at alpha
+   (`skip_test`), with a margin: this sweep, with its sizes and its noise,
+   would have seen a skip. A bar on single probes' spread (the extra cost against k times
+   the short bucket's σ) asks the wrong question both ways: under load it
+   refuses sweeps whose buckets separate plainly, and with a long-tailed
+   noise it vouches for sweeps that would pass a skip. FAIL ⊂ {p < alpha},
+   so the false-alarm rate is ≤ alpha.
    INCONCLUSIVE when the physics is not measurable, or when even the most
    extreme outcome (every long probe fast, no neighbour) could not reach
    alpha — the summary says how many probes would. PASS otherwise. Every
@@ -60,6 +66,7 @@ from kvfence.audit.checks.latency.exact import (
     design_p_value,
     exact_test,
 )
+from kvfence.audit.checks.latency.skip import skip_test
 from kvfence.audit.stats import (
     ExcessTest,
     LinearFit,
@@ -73,9 +80,9 @@ from kvfence.audit.stats import (
 class LatencyConfig:
     """Thresholds of the analysis and the live sweep's shape.
 
-    ``skipped_fraction`` (f) places the "fast" floor and ``tolerance_sigmas``
-    (k) the measurability bar, ``material_fraction`` how far below its
-    neighbours the long bucket must be for the median labelling to count
+    ``skipped_fraction`` (f) places the "fast" floor; ``skip_margin``: how far below alpha
+    the sweep must put a skip to vouch for a pass (`skip_test`); ``material_fraction`` how
+    far below its neighbours the long bucket must be for the median labelling to count
     (module docstring). ``alpha``: the test's level; None takes the audit's share of
     its family-wise ``--alpha`` (`AuditContext.alpha_for`). ``repeats``: probes
     per length; None sizes them so the design reaches alpha with ``slack``
@@ -87,8 +94,8 @@ class LatencyConfig:
     or a pass with p < ``recheck_below`` (a leak blurred by the machine's load).
     """
 
-    tolerance_sigmas: float = 4.0
     skipped_fraction: float = 0.5
+    skip_margin: float = 1e-4
     material_fraction: float = 0.25
     alpha: float | None = None
     long_quantile: float = 5.0
@@ -109,8 +116,8 @@ class LatencyConfig:
     recheck_below: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.tolerance_sigmas <= 0 or not 0 < self.skipped_fraction <= 1:
-            raise ValueError("need tolerance_sigmas > 0 and 0 < skipped_fraction <= 1")
+        if not 0 < self.skipped_fraction <= 1 or not 0 < self.skip_margin <= 1:
+            raise ValueError("need 0 < skipped_fraction <= 1 and 0 < skip_margin <= 1")
         if not 0 < self.long_quantile < 50:
             raise ValueError("long_quantile must be in (0, 50)")
         if self.alpha is not None and not 0 < self.alpha < 1:
@@ -196,10 +203,20 @@ def analyse(
     return result
 
 
-def _measurable(fit: LinearFit, floor: Floor, cfg: LatencyConfig) -> bool:
-    """A skipped prefill would be visible: the extra cost is above the noise."""
+def _measurable(
+    fit: LinearFit, floor: Floor, cfg: LatencyConfig, skip: Test | None, alpha: float
+) -> bool:
+    """A skipped prefill would be visible: this very sweep would have failed a skip
+    (`skip_test`), and the cost grows with the length."""
     slope = fit.slope_low if cfg.strict_physics else fit.slope  # the guard: the lower bound
-    return slope > 0 and floor.increment >= cfg.tolerance_sigmas * floor.sigma
+    if slope <= 0:
+        return False
+    if skip is None:
+        return False
+    # At a strict alpha even buckets that do not overlap at all cannot reach alpha x margin:
+    # a skip, drawn like the short prompts, then lands under every neighbour all the same.
+    apart = skip.excess.ref_fast == 0 and skip.excess.long_fast == skip.excess.long_total
+    return skip.p_value < alpha and (skip.p_value < alpha * cfg.skip_margin or apart)
 
 
 def _judge(
@@ -221,19 +238,9 @@ def _judge(
         f"{mid_len:.0f}-token ones"
     )
     stat = f"p = {test.p_value:.2g}, alpha {alpha:.2g}, {n} requests compared"
-    if not _measurable(fit, floor, cfg):
-        verdict, summary = (
-            Verdict.INCONCLUSIVE,
-            (
-                f"prefill cost not measurable above noise: the costlier prompts pay only "
-                f"{floor.increment * 1e3:.3f} ms over {floor.short_median * 1e3:.2f} ms "
-                f"(noise σ {floor.sigma * 1e3:.3f} ms, need {cfg.tolerance_sigmas:g}σ); "
-                f"{counts} ({stat})"
-            ),
-        )
-    elif test.p_value < alpha:
-        verdict, summary = Verdict.FAIL, f"long prompts answered too fast: {counts} ({stat})"
-    elif test.min_p_value >= alpha:
+    skip = skip_test(b, cfg.skipped_fraction, cfg.material_fraction, cfg.noise_floor_s)
+    evidence["skip_visible_p_value"] = None if skip is None else skip.p_value
+    if test.min_p_value >= alpha:  # no outcome of this design could fail: say what would
         need = _probes_needed(excess, alpha, cfg.slack)
         verdict, summary = (
             Verdict.INCONCLUSIVE,
@@ -242,6 +249,20 @@ def _judge(
                 f"p = {test.min_p_value:.2g}; {need}; {counts}"
             ),
         )
+    elif not _measurable(fit, floor, cfg, skip, alpha):
+        shown = "no test" if skip is None else f"p = {skip.p_value:.2g}"
+        verdict, summary = (
+            Verdict.INCONCLUSIVE,
+            (
+                f"prefill cost not measurable above noise: the costlier prompts pay only "
+                f"{floor.increment * 1e3:.3f} ms over {floor.short_median * 1e3:.2f} ms "
+                f"(noise σ {floor.sigma * 1e3:.3f} ms), so this sweep would not have failed a "
+                f"skipped prefill (short prompts' times as the long ones': {shown}, need "
+                f"< {alpha * cfg.skip_margin:.2g}); {counts} ({stat})"
+            ),
+        )
+    elif test.p_value < alpha:
+        verdict, summary = Verdict.FAIL, f"long prompts answered too fast: {counts} ({stat})"
     else:
         verdict, summary = Verdict.PASS, f"long prompts pay their prefill: {counts} ({stat})"
     return LatencyAnalysis(verdict, summary, evidence, p_value=test.p_value, alpha=alpha)
@@ -359,4 +380,5 @@ __all__ = [
     "analyse",
     "buckets",
     "design_p_value",
+    "skip_test",
 ]

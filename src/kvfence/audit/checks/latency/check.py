@@ -9,12 +9,12 @@ placeholder (the Workers AI reject path). The check
    completion) over a sweep of lengths up to the longest accepted prompt,
    several repeats each; every prompt is new random token ids, so no probe
    can legitimately hit any cache;
-2. fits prefill cost vs length (Theil–Sen) on every length but the longest,
-   labels each probe "fast" when it finished more than its tolerance
-   (``max(k·σ_short, f·increment)``) under its predicted cost, and tests
-   whether the long probes are fast more often than the shorter ones
-   interleaved with them (one-sided exact p-value);
-3. fails when p < alpha and the prefill cost is measurable above the noise;
+2. labels each probe "fast" when it finished under a floor a skip would put
+   it below, and tests whether the long probes are fast more often than their
+   neighbours interleaved with them (one-sided exact p-value; `analysis`);
+3. fails when p < alpha and the prefill cost is measurable: this sweep would
+   have failed a skip (the same test with short probes' times in the long
+   bucket);
 4. is inconclusive when it is not measurable ("too fast" cannot be told from
    "fast"), when too few probes answered, or when the design could not reach
    alpha — the number of probes per length grows with −log alpha
@@ -28,7 +28,9 @@ check the runbook runs.
 
 from __future__ import annotations
 
+import math
 import random
+import time
 from dataclasses import dataclass, field, replace
 
 from kvfence.audit.base import CheckResult, JSONValue, Verdict
@@ -40,6 +42,13 @@ from kvfence.audit.checks.latency.analysis import (
     design_p_value,
 )
 from kvfence.audit.checks.latency.log import analyse_log, latency_command, parse_log_lines
+from kvfence.audit.checks.latency.resweep import (
+    POWER_FACTOR,
+    closer_neighbour,
+    noise_hid_a_skip,
+    repeats_for_noise,
+    repeats_that_fit,
+)
 from kvfence.audit.client import ProbeClient
 from kvfence.audit.contract import AuditContext, Check
 from kvfence.audit.targets.base import Target
@@ -71,7 +80,7 @@ class LatencyCheck(Check):
         self.config = config or LatencyConfig()
 
     def run(self, ctx: AuditContext, target: Target) -> CheckResult:
-        client = ctx.client(target, "b")
+        client = ctx.client(target, "b", paced=True)
         facts = target.facts(client)
         limit_fact = facts.input_limit(ctx.context_override)
         limit = limit_fact.as_int()
@@ -90,20 +99,20 @@ class LatencyCheck(Check):
         repeats = cfg.repeats_for(level)
         sweep, result, earlier = _decisive_sweep(ctx, client, cfg, lengths, repeats)
         evidence = result.evidence
-        evidence["sweep"] = {"lengths": lengths, "repeats": repeats, "limit": limit_fact.to_json()}
+        repeats = sweep.repeats or repeats  # a sweep after a noisy one may have grown
+        lengths = sorted(sweep.planned) or lengths  # ... or moved its neighbour
+        evidence["sweep"] = {**sweep.to_json(lengths, repeats), "limit": limit_fact.to_json()}
         evidence["earlier_sweeps"] = earlier  # ambiguous ones, each replaced by a fresh sweep
         evidence["token_ids"] = {"range": list(ids), "vocab_size": facts.vocab_size.to_json()}
         evidence["alpha_per_sweep"] = level
         evidence["design_p_value"] = 2 * design_p_value(repeats, repeats, cfg.slack)
-        evidence["errors"] = sweep.errors[:5]
-        evidence["error_count"] = len(sweep.errors)
-        evidence["usage_mismatches"] = sweep.mismatched
+        evidence.update(sweep.failures_json())
         verdict, summary = result.verdict, result.summary
         if earlier:
             first, p = earlier[0], earlier[0]["p_value"]
             shown = f"p = {p:.2g}" if isinstance(p, float) else "no p-value"
             summary = f"sweep {len(earlier) + 1} (sweep 1: {first['verdict']}, {shown}): {summary}"
-        verdict, summary = _failed_probes(verdict, summary, sweep, len(lengths) * repeats, cfg)
+        verdict, summary = _failed_probes(verdict, summary, sweep, cfg)
         plots = [result.plot] if result.plot is not None else []
         out = self.result(target, verdict, summary, evidence, plots)
         # Bonferroni-adjusted over the sweeps the design allows: comparable with the check's alpha.
@@ -113,10 +122,11 @@ class LatencyCheck(Check):
 
 
 def _failed_probes(
-    verdict: Verdict, summary: str, sweep: Sweep, planned: int, cfg: LatencyConfig
+    verdict: Verdict, summary: str, sweep: Sweep, cfg: LatencyConfig
 ) -> tuple[Verdict, str]:
     """Too many failed probes leave no verdict but a FAIL standing; the summary then says how
     many failed and what the engine said to the first."""
+    planned = sum(sweep.planned.values()) or len(sweep.samples) + len(sweep.errors)
     if verdict is Verdict.FAIL or len(sweep.errors) <= cfg.max_error_fraction * planned:
         return verdict, summary
     first = sweep.errors[0].get("outcome")
@@ -133,13 +143,33 @@ def _decisive_sweep(
     one is not ambiguous or ``cfg.sweeps`` ran: (the last sweep, its analysis, the earlier)."""
     earlier: list[dict[str, JSONValue]] = []
     while True:
+        started = time.monotonic()
         sweep = _sweep(ctx, client, cfg, lengths, repeats)
+        took = time.monotonic() - started
         result = analyse(sweep.samples, cfg)
         if len(earlier) + 1 >= cfg.sweeps or not _ambiguous(result, cfg):
             return sweep, result, earlier
-        earlier.append(
-            {"verdict": result.verdict.value, "p_value": result.p_value, "summary": result.summary}
-        )
+        entry: dict[str, JSONValue] = {
+            "verdict": result.verdict.value,
+            "p_value": result.p_value,
+            "summary": result.summary,
+            "repeats": repeats,
+            "seconds": round(took, 1),
+        }
+        if noise_hid_a_skip(result, cfg):
+            probes = len(sweep.samples) + len(sweep.errors)
+            fits = repeats_that_fit(ctx.budget.remaining_s, took, probes, lengths)
+            closer = closer_neighbour(lengths, sweep.samples)
+            if closer != lengths:
+                # A new neighbour's separation is unknown: the power factor's margin on top.
+                wanted = math.ceil(POWER_FACTOR * repeats)
+                entry["neighbour_moved"] = {"from": lengths[-2], "to": closer[-2]}
+                lengths = closer
+            else:
+                wanted = repeats_for_noise(sweep.samples, cfg, repeats)
+            entry["next_repeats"] = {"wanted": wanted, "fit_the_budget": fits}
+            repeats = max(repeats, min(wanted, fits))
+        earlier.append(entry)
 
 
 def _ambiguous(result: LatencyAnalysis, cfg: LatencyConfig) -> bool:
@@ -152,24 +182,41 @@ def _ambiguous(result: LatencyAnalysis, cfg: LatencyConfig) -> bool:
 
 @dataclass(slots=True)
 class Sweep:
+    repeats: int = 0  # per length the test compares (short, neighbour, long)
+    planned: dict[int, int] = field(default_factory=dict)  # prompt length -> probes planned
     samples: list[LatencySample] = field(default_factory=list)
     errors: list[dict[str, JSONValue]] = field(default_factory=list)
     mismatched: list[dict[str, JSONValue]] = field(default_factory=list)
+
+    def to_json(self, lengths: list[int], repeats: int) -> dict[str, JSONValue]:
+        per_length = {str(n): k for n, k in sorted(self.planned.items())}
+        return {"lengths": list(lengths), "repeats": repeats, "repeats_per_length": per_length}
+
+    def failures_json(self) -> dict[str, JSONValue]:
+        return {
+            "errors": self.errors[:5],
+            "error_count": len(self.errors),
+            "usage_mismatches": self.mismatched,
+        }
 
 
 def _sweep(
     ctx: AuditContext, client: ProbeClient, cfg: LatencyConfig, lengths: list[int], repeats: int
 ) -> Sweep:
-    """Time ``repeats`` fresh prompts of every length, interleaved (drift hits all lengths)."""
+    """Time ``repeats`` fresh prompts of the lengths the test compares (the shortest, the
+    neighbour, the longest) and a third as many (at least 3) of the lengths between, which
+    only feed the cost fit; interleaved (drift hits all lengths)."""
     rng = random.Random(ctx.rng.random())
     lo, hi = cfg.token_range
-    plan = [n for n in lengths for _ in range(repeats)]
+    compared = {lengths[0], *lengths[-2:]}
+    planned = {n: repeats if n in compared else max(3, -(-repeats // 3)) for n in lengths}
+    plan = [n for n in lengths for _ in range(planned[n])]
     # Interleaved: drift cannot masquerade as a slope, and load hits long and reference
     # probes alike (the exchangeability the test's H0 rests on).
     rng.shuffle(plan)
     for _ in range(cfg.warmup):  # the first request pays one-off start-up costs
         client.ttft([rng.randrange(lo, hi) for _ in range(min(lengths))])
-    out = Sweep()
+    out = Sweep(repeats=repeats, planned=planned)
     for i, n in enumerate(plan):
         r = client.ttft([rng.randrange(lo, hi) for _ in range(n)])
         if r.ok and r.ttft_s is not None:

@@ -252,9 +252,6 @@ _DEFAULTS = LatencyConfig()  # frozen: CLI defaults are read from the config dat
     help="JSON-lines request log (vLLM / SGLang / llama.cpp / bench results); no traffic is sent",
 )
 @click.option(
-    "--tolerance-sigmas", type=float, default=_DEFAULTS.tolerance_sigmas, show_default=True
-)
-@click.option(
     "--skipped-fraction", type=float, default=_DEFAULTS.skipped_fraction, show_default=True
 )
 @click.option(
@@ -267,16 +264,13 @@ _DEFAULTS = LatencyConfig()  # frozen: CLI defaults are read from the config dat
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
 def latency_command(
     log_path: str,
-    tolerance_sigmas: float,
     skipped_fraction: float,
     alpha: float,
     json_out: str | None,
 ) -> None:
     """Prefill-latency check on a request log: exit 0 pass, 1 fail, 2 inconclusive."""
     try:
-        cfg = LatencyConfig(
-            tolerance_sigmas=tolerance_sigmas, skipped_fraction=skipped_fraction, alpha=alpha
-        )
+        cfg = LatencyConfig(skipped_fraction=skipped_fraction, alpha=alpha)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     result = analyse_log(log_path, cfg)
