@@ -43,8 +43,10 @@ from kvfence.engine.prefill import OutboundTransfer
 from kvfence.engine.reconcile import Reservation, payload_checksum, reconcile
 from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import KVPool
-from kvfence.transfer import Landed, framing, get_transport
+from kvfence.transfer import framing
 from kvfence.transfer.listener import tune
+from kvfence.transfer.registry import get_transport
+from kvfence.transfer.rooms import Landed
 
 SEED = 1234
 GEOM = KVGeometry(num_layers=32, num_kv_heads=8, head_dim=128, page_size=16, dtype="bfloat16")

@@ -24,9 +24,9 @@ from kvfence.engine.reconcile import Reservation
 from kvfence.faults import Fault, FaultSet
 from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import KVPool
-from kvfence.transfer import Landed
 from kvfence.transfer.lab_holds import LabHold
 from kvfence.transfer.registry import get_transport
+from kvfence.transfer.rooms import Landed
 from kvfence.transfer.senders import Senders
 
 GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)

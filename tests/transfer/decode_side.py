@@ -15,7 +15,7 @@ from kvfence.engine.messages import TransferDone
 from kvfence.engine.reconcile import Reservation, payload_checksum, reconcile
 from kvfence.faults import FaultSet
 from kvfence.kv.pool import KVPool
-from kvfence.transfer import Event, Landed
+from kvfence.transfer.rooms import Event, Landed
 
 # Senders run in their own processes, forked from a server that imported torch and the sender
 # code once (the preload): each child starts in milliseconds instead of re-importing torch

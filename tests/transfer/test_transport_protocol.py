@@ -12,15 +12,15 @@ from test_transports import job
 from kvfence.engine.messages import Abort, PageRef, TransferManifest, encode_message
 from kvfence.engine.reconcile import TransferMismatch
 from kvfence.kv.pool import IsolationViolation
-from kvfence.transfer import (
-    KVTransport,
+from kvfence.transfer import framing
+from kvfence.transfer.base import KVTransport
+from kvfence.transfer.inprocess import InProcessTransport
+from kvfence.transfer.registry import (
     TransportRegistry,
     builtin_registry,
-    framing,
     get_transport,
     transport_names,
 )
-from kvfence.transfer.inprocess import InProcessTransport
 
 
 def raw_tcp(address: str) -> socket.socket:

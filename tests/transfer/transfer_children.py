@@ -23,10 +23,11 @@ from kvfence.engine.messages import PageRef, encode_message
 from kvfence.engine.prefill import OutboundTransfer
 from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import KVPool, PageHandle
-from kvfence.transfer import TransferRefused, framing, get_transport
-from kvfence.transfer.base import InPlaceSender, KVSender, KVTransport
+from kvfence.transfer import framing
+from kvfence.transfer.base import InPlaceSender, KVSender, KVTransport, TransferRefused
 from kvfence.transfer.granted import GrantedSender
 from kvfence.transfer.layout import Outgoing, PoolShape
+from kvfence.transfer.registry import get_transport
 from kvfence.transfer.shm import ShmSender
 
 GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
