@@ -6,6 +6,10 @@ of its own, so one long step -- a long prompt, a host under load -- cannot
 silence it. Here both halves are real sides in one process (tiny model, TCP
 KV transport, the bootstrap channel over loopback); prefill's model sleeps
 before each forward so that its one step lasts three waits.
+
+The word vouches for a live engine, though: a step that outlasts the step
+bound is a hung engine, the word stops, and decode fails the room rather
+than hold its client for ever.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -53,8 +58,8 @@ class SlowForward(CausalLM):
         return self.inner.forward_many(parts)
 
 
-@pytest.fixture
-def pair(sgl_checkpoint: Path) -> Iterator[tuple[PrefillSide, DecodeSide]]:
+@contextmanager
+def _pair(sgl_checkpoint: Path, step_bound_s: float) -> Iterator[tuple[PrefillSide, DecodeSide]]:
     loaded = load_model(str(sgl_checkpoint), kind="mirror")
     ckpt, inbox = str(sgl_checkpoint), "tcp://127.0.0.1:0"
     p_config = engine_config(WorkerSpec("prefill", ckpt, "mirror", inbox, "", kv_pages=64), loaded)
@@ -64,7 +69,11 @@ def pair(sgl_checkpoint: Path) -> Iterator[tuple[PrefillSide, DecodeSide]]:
     p_pool = KVPool(geometry, p_config.prefill_pages)
     p_engine = PrefillEngine(slow, p_pool, p_config, FaultSet())
     prefill = PrefillSide(
-        p_engine, get_transport("tcp"), "tcp://127.0.0.1:0", keepalive_s=KEEPALIVE_S
+        p_engine,
+        get_transport("tcp"),
+        "tcp://127.0.0.1:0",
+        keepalive_s=KEEPALIVE_S,
+        step_bound_s=step_bound_s,
     )
     transport = get_transport("tcp", host="127.0.0.1")
     d_pool = transport.create_pool(geometry, d_config.decode_pages)
@@ -73,16 +82,21 @@ def pair(sgl_checkpoint: Path) -> Iterator[tuple[PrefillSide, DecodeSide]]:
     decode = DecodeSide(d_engine, receiver, "tcp://127.0.0.1:0", FaultSet(), pair_timeout_s=WAIT_S)
     prefill.start()
     decode.start()
-    yield prefill, decode
-    decode.stop()
-    prefill.stop()
+    try:
+        yield prefill, decode
+    finally:
+        decode.stop()
+        prefill.stop()
 
 
-def test_a_prefill_step_longer_than_the_pair_wait_does_not_expire_the_room(
-    pair: tuple[PrefillSide, DecodeSide],
-) -> None:
-    prefill, decode = pair
-    work = GenerateWork(
+@pytest.fixture
+def pair(sgl_checkpoint: Path) -> Iterator[tuple[PrefillSide, DecodeSide]]:
+    with _pair(sgl_checkpoint, step_bound_s=10 * STEP_S) as sides:  # the step is not hung
+        yield sides
+
+
+def _work(prefill: PrefillSide) -> GenerateWork:
+    return GenerateWork(
         room="room-1",
         tenant="tenant-a",
         prompt_ids=tuple(range(20, 52)),
@@ -90,6 +104,13 @@ def test_a_prefill_step_longer_than_the_pair_wait_does_not_expire_the_room(
         cache_namespace="tenant-a",
         peer=prefill.inbox.addr,
     )
+
+
+def test_a_prefill_step_longer_than_the_pair_wait_does_not_expire_the_room(
+    pair: tuple[PrefillSide, DecodeSide],
+) -> None:
+    prefill, decode = pair
+    work = _work(prefill)
     at_prefill: queue.Queue[TokenChunk | Failure] = queue.Queue()
     at_decode: queue.Queue[TokenChunk | Failure] = queue.Queue()
     started = time.monotonic()
@@ -106,3 +127,20 @@ def test_a_prefill_step_longer_than_the_pair_wait_does_not_expire_the_room(
     assert tokens == list(range(20, 24)), tokens  # the mirror model echoes the prompt
     first = at_prefill.get(timeout=10)
     assert isinstance(first, TokenChunk) and first.token_ids == (20,), first
+
+
+def test_a_hung_prefill_step_stops_the_word_and_decode_fails_the_room(
+    sgl_checkpoint: Path,
+) -> None:
+    """The step bound below the step: the engine looks hung, so decode's wait runs out."""
+    with _pair(sgl_checkpoint, step_bound_s=WAIT_S / 2) as (prefill, decode):
+        work = _work(prefill)
+        at_decode: queue.Queue[TokenChunk | Failure] = queue.Queue()
+        started = time.monotonic()
+        prefill.submit(work, lambda event: None)
+        decode.submit(work, at_decode.put)
+        event = at_decode.get(timeout=10 * STEP_S)
+        waited = time.monotonic() - started
+        assert isinstance(event, Failure), event  # tokens: the word went on for a hung engine
+        assert event.error.status == 504 and event.error.code == "pair_timeout", event
+        assert waited < STEP_S, waited  # decode gave up before the step ended

@@ -7,7 +7,10 @@ decode failed a room prefill was about to send. So a second thread says
 `Queued` for every held room every interval, whatever the engine thread is
 doing. It has its own sockets (a ZeroMQ socket belongs to one thread); the
 engine thread only tells it, under a lock, which rooms it holds and where
-their decode listens.
+their decode listens, and that it is still turning: the word is said only while
+the engine thread's current turn began less than `step_bound_s` ago, so a hung
+engine goes silent and decode fails its rooms (a long step is not a dead one,
+but an engine that never ends its step must not hold a client for ever).
 
 A `Queued` that crosses the room's end on the wire is harmless: decode acts
 on it only while the room still waits for its KV.
@@ -16,6 +19,7 @@ on it only while the room still waits for its KV.
 from __future__ import annotations
 
 import threading
+import time
 
 import zmq
 
@@ -24,9 +28,13 @@ from kvfence.serve.channel import Outbox
 
 
 class KeepAlive:
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], interval_s: float) -> None:
+    def __init__(
+        self, ctx: zmq.Context[zmq.Socket[bytes]], interval_s: float, step_bound_s: float
+    ) -> None:
         self.ctx = ctx  # a context is shared between threads; its sockets are not
         self.interval_s = interval_s
+        self.step_bound_s = step_bound_s
+        self._turn_began = time.monotonic()
         self._rooms: dict[str, str] = {}  # room -> decode's reply inbox
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -35,6 +43,11 @@ class KeepAlive:
     def hold(self, room: str, reply_addr: str) -> None:
         with self._lock:
             self._rooms[room] = reply_addr
+
+    def turning(self) -> None:
+        """The engine thread began a turn (it is alive; the step that follows may be long)."""
+        with self._lock:
+            self._turn_began = time.monotonic()
 
     def release(self, room: str) -> None:
         with self._lock:
@@ -55,7 +68,8 @@ class KeepAlive:
         try:
             while not self._stopping.wait(self.interval_s):
                 with self._lock:
-                    held = list(self._rooms.items())
+                    hung = time.monotonic() - self._turn_began > self.step_bound_s
+                    held = [] if hung else list(self._rooms.items())
                 for room, addr in held:
                     box = boxes.get(addr)
                     if box is None:

@@ -39,6 +39,7 @@ from kvfence.sglang_stack.keepalive import KeepAlive
 from kvfence.sglang_stack.side import (
     KEEPALIVE_S,
     PAIR_TIMEOUT_S,
+    STEP_BOUND_S,
     Cancel,
     PairSide,
     Reject,
@@ -70,6 +71,7 @@ class PrefillSide(PairSide):
         bootstrap_addr: str,
         hold: LabHold | None = None,  # the lab's `hold=FOLDER` switch (lab_holds.py)
         keepalive_s: float = KEEPALIVE_S,
+        step_bound_s: float = STEP_BOUND_S,
     ) -> None:
         driver = PrefillRole(engine, Senders(transport, hold))
         super().__init__(driver, bootstrap_addr, [RoomRegistration, Failure])
@@ -79,7 +81,8 @@ class PrefillSide(PairSide):
         self.answered: set[str] = set()  # live rooms whose HTTP side has had its one end (I6)
         self.room_mismatches = 0
         self.pairs_by_room_alone = Fault.DECODE_TRUSTS_BOOTSTRAP in engine.faults  # lab only
-        self.keepalive = KeepAlive(self.ctx, keepalive_s)  # says `Queued` for `live` rooms
+        # Says `Queued` for `live` rooms while the engine's turns keep ending.
+        self.keepalive = KeepAlive(self.ctx, keepalive_s, step_bound_s)
         self._inputs: list[PrefillInput] = []  # for the role, this turn
 
     def start(self) -> None:
@@ -97,6 +100,7 @@ class PrefillSide(PairSide):
 
     def receive(self, busy: bool) -> list[PrefillInput]:
         """Decode's notes, then this edge's commands; rooms paired now go to the role."""
+        self.keepalive.turning()
         for msg in self.poll(busy or bool(self.live)):
             self._from_decode(msg)
         for cmd in self.commands():

@@ -33,6 +33,11 @@ PAIR_TIMEOUT_S = 30.0  # a room whose other half never shows up, or goes silent,
 # How often prefill says it still holds a paired room (`Queued`): well inside PAIR_TIMEOUT_S,
 # so a late message or two never expires a room that is only waiting its turn.
 KEEPALIVE_S = 5.0
+# The keep-alive vouches for the engine, not only for the room: a turn of prefill's engine
+# loop that has not ended in this long is a hung engine (a long prompt's step on a loaded
+# host takes a minute or two), so the word stops and decode fails the rooms PAIR_TIMEOUT_S
+# later instead of waiting for ever.
+STEP_BOUND_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
