@@ -18,9 +18,9 @@ converted from it), one server at a time:
   kvfence-pd  kvfence's disaggregated stack: the real sglang-router (PD mode) in front of one
             prefill and one decode `kvfence serve --router sglang` worker (1 GiB KV each, one
             torch thread each: both share the 2 cores), KV over TCP;
-            `kvfence-pd-mooncake` the same with the Mooncake transfer engine. The router takes
-            text prompts only (token ids get a 422), so these rows send each prompt's ids as
-            text, trimmed until it encodes to at most the same number of tokens (the prompt
+            `kvfence-pd-mooncake` and `kvfence-pd-nixl` the same with the Mooncake and NIXL
+            transfer engines. The router takes text prompts only (token ids get a 422), so
+            these rows send each prompt's ids as text, trimmed until it encodes to at most the same number of tokens (the prompt
             tokens sent are printed); requests carry a tenant key (the workers authenticate
             every request, I10).
             `kvfence-pd-noedge` (not in the default list): the same stack with the router itself
@@ -90,6 +90,7 @@ ENGINES = (
     "kvfence-noledger",
     "kvfence-pd",
     "kvfence-pd-mooncake",
+    "kvfence-pd-nixl",
     "vllm",
     "vllm-pd",
     "llamacpp",
@@ -98,6 +99,7 @@ EXTRA_ENGINES = ("kvfence-fcfs", "kvfence-pd-noedge", "kvfence-pd-shared")
 PD_TRANSPORTS = {
     "kvfence-pd": "tcp",
     "kvfence-pd-mooncake": "mooncake",
+    "kvfence-pd-nixl": "nixl",
     "kvfence-pd-noedge": "tcp",
     "kvfence-pd-shared": "tcp",
 }
@@ -512,11 +514,11 @@ def installed(engine: str, cache: PeerCache) -> bool:
         return cache.vllm_installed() and cache.nixl_installed()
     if engine == "llamacpp":
         return cache.llamacpp_installed()
-    if engine == "kvfence-pd-mooncake":
-        try:
-            import mooncake.engine  # noqa: F401  (the `pd` extra)
-        except ImportError:
-            return False
+    if engine in PD_TRANSPORTS:
+        # Mooncake and NIXL load their native engines in the workers; ask here first.
+        from kvfence.transfer.native import missing_native
+
+        return missing_native(PD_TRANSPORTS[engine]) is None
     return True
 
 
