@@ -20,9 +20,9 @@ converted from it), one server at a time:
             torch thread each: both share the 2 cores), KV over TCP;
             `kvfence-pd-mooncake` and `kvfence-pd-nixl` the same with the Mooncake and NIXL
             transfer engines. The router takes text prompts only (token ids get a 422), so
-            these rows send each prompt's ids as text, trimmed until it encodes to at most the same number of tokens (the prompt
-            tokens sent are printed); requests carry a tenant key (the workers authenticate
-            every request, I10).
+            these rows send each prompt's ids as text, trimmed until it encodes to at most the
+            same number of tokens (the prompt tokens sent are printed); requests carry a tenant
+            key (the workers authenticate every request, I10).
             `kvfence-pd-noedge` (not in the default list): the same stack with the router itself
             on the public address, without kvfence's edge in front: the edge's cost, same run.
             `kvfence-pd-shared` (not in the default list): the same stack with its workers
