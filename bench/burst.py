@@ -34,10 +34,10 @@ import torch
 from kvfence.engine.backend import GenerateWork
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.messages import Failure, SamplingParams, TokenChunk
-from kvfence.engine.pipeline import CollectingSink, LocalPipeline
 from kvfence.engine.prefill_order import PrefillOrder
 from kvfence.model.loader import LoadedModel, load_model
 from kvfence.model.tiny import PRESETS, default_checkpoint_dir
+from kvfence.serve.pipeline import CollectingSink, LocalPipeline
 from kvfence.transfer.link import inprocess_link
 
 BASELINE = "2048/arrival"

@@ -59,12 +59,12 @@ import kvfence.model.attention as attention_module
 from kvfence.engine.backend import GenerateWork
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.messages import Failure, SamplingParams
-from kvfence.engine.pipeline import CollectingSink, LocalPipeline
 from kvfence.faults import Fault, FaultSet
 from kvfence.model.linear_cpu import CPULinear
 from kvfence.model.loader import load_model
 from kvfence.model.step_checks import StepChecks
 from kvfence.model.tiny import make_tiny_checkpoint
+from kvfence.serve.pipeline import CollectingSink, LocalPipeline
 from kvfence.transfer.link import inprocess_link
 
 

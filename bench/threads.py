@@ -38,7 +38,7 @@ torch.set_num_interop_threads(interop)
 from kvfence.engine.backend import GenerateWork
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.messages import SamplingParams
-from kvfence.engine.pipeline import CollectingSink, LocalPipeline
+from kvfence.serve.pipeline import CollectingSink, LocalPipeline
 from kvfence.model.loader import load_model
 from kvfence.model.tiny import make_tiny_checkpoint
 from kvfence.transfer.link import inprocess_link

@@ -9,12 +9,12 @@ from pathlib import Path
 from kvfence.engine.backend import GenerateWork
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.messages import SamplingParams
-from kvfence.engine.pipeline import CollectingSink, LocalPipeline, Result
 from kvfence.faults import FaultSet
 from kvfence.model.base import CausalLM
 from kvfence.model.config import ModelConfig
 from kvfence.model.loader import load_model
 from kvfence.model.tiny import make_tiny_checkpoint
+from kvfence.serve.pipeline import CollectingSink, LocalPipeline, Result
 from kvfence.transfer.link import inprocess_link
 
 PAGE = 16

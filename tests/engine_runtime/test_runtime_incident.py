@@ -15,10 +15,10 @@ from dataclasses import replace
 import pytest
 from runtime_helpers import Models, assert_quiet_and_empty, greedy, run, submit, work
 
-from kvfence.engine.pipeline import LocalPipeline
 from kvfence.engine.prefill import OutboundTransfer
 from kvfence.faults import Fault, FaultSet
 from kvfence.kv.pool import KVPool
+from kvfence.serve.pipeline import LocalPipeline
 from kvfence.transfer.link import TransportLink
 
 SENTINEL = list(range(300, 360))  # tenant A's 60 tokens: fits the 64-token prefill pool
@@ -95,9 +95,9 @@ def forged_run(models: Models, faults: FaultSet) -> tuple[LocalPipeline, object,
     honest = pipe.kv_link
     assert isinstance(honest, TransportLink)
     (a,) = run(pipe, [work("a", "tenant-a", SENTINEL, greedy(4))])
-    pipe.kv_link = ShortLink(honest.receiver, honest.sender)  # the wire turns bad
+    pipe.kv_out.link = ShortLink(honest.receiver, honest.sender)  # the wire turns bad
     (b,) = run(pipe, [work("b", "tenant-b", list(range(100, 164)), greedy(30))])
-    pipe.kv_link = honest
+    pipe.kv_out.link = honest
     assert a.error is None
     return pipe, b, [t for t in b.token_ids if t in set(SENTINEL)]
 

@@ -9,9 +9,9 @@ import torch
 from runtime_helpers import Models, assert_quiet_and_empty, greedy, submit, work
 
 from kvfence.engine.mixed import prefill_budget
-from kvfence.engine.pipeline import LocalPipeline, Result
 from kvfence.kv.pool import KVPool
 from kvfence.model.base import CausalLM, ForwardBatch
+from kvfence.serve.pipeline import LocalPipeline, Result
 
 # Prompts long enough to be chunked (chunk 24, mid-page), arriving while others decode.
 PROMPTS = [list(range(5 + i, 5 + i + n)) for i, n in enumerate((30, 70, 9, 110, 45, 61))]

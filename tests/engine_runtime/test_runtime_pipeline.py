@@ -9,9 +9,9 @@ from runtime_helpers import PAGE, Models, assert_quiet_and_empty, greedy, run, s
 
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.messages import Bootstrap, BootstrapReady, PrefillWork, SamplingParams
-from kvfence.engine.pipeline import CollectingSink, LocalPipeline
 from kvfence.engine.request import RequestState
 from kvfence.faults import Fault, FaultSet
+from kvfence.serve.pipeline import CollectingSink, LocalPipeline
 
 
 def prompts(n: int, seed: int = 0, lo: int = 5, hi: int = 90) -> list[list[int]]:

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import pytest
 from runtime_helpers import PAGE, Models, assert_quiet_and_empty, greedy, submit, work
 
-from kvfence.engine.pipeline import CollectingSink, LocalPipeline
 from kvfence.engine.prefill_order import PrefillOrder
 from kvfence.engine.request import RequestState
+from kvfence.serve.pipeline import CollectingSink, LocalPipeline
 
 
 def admitted_at(pipe: LocalPipeline, rooms: Sequence[str], limit: int = 200) -> dict[str, int]:

@@ -9,8 +9,8 @@ from runtime_helpers import PAGE, Models, greedy, work
 
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.messages import Failure, TokenChunk
-from kvfence.engine.pipeline import CollectingSink, LocalPipeline
 from kvfence.engine.threads import keep_one_for_engine
+from kvfence.serve.pipeline import CollectingSink, LocalPipeline
 from kvfence.transfer.link import inprocess_link
 
 

@@ -1,7 +1,7 @@
 """The embedded default (`kvfence serve`, one process) runs the KV transport contract.
 
-Its KV goes through `transfer`'s in-process transport behind the
-engine's `KVLink` seam: the receiver grants a room before any write, decode
+Its KV goes through `transfer`'s in-process transport, the two roles'
+KV halves in one process: the receiver grants a room before any write, decode
 reconciles the manifest (I3), and released pages wait until the transport
 confirms (I7). The `decode-trusts-bootstrap` and `early-free` switches break
 it here exactly as they do over TCP and shared memory
@@ -18,11 +18,11 @@ import torch
 from runtime_helpers import PAGE, Models, assert_quiet_and_empty, greedy, run, work
 
 from kvfence.engine.config import EngineConfig
-from kvfence.engine.pipeline import CollectingSink, LocalPipeline
 from kvfence.engine.prefill import OutboundTransfer
 from kvfence.engine.request import RequestState
 from kvfence.faults import Fault, FaultSet
 from kvfence.kv.pool import KVPool
+from kvfence.serve.pipeline import CollectingSink, LocalPipeline
 from kvfence.transfer.base import InPlaceSender
 from kvfence.transfer.inprocess import InProcessReceiver
 from kvfence.transfer.link import TransportLink, inprocess_link

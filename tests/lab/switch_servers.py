@@ -21,7 +21,6 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfence.engine.pipeline import LocalPipeline
 from kvfence.faults import FaultSet
 from kvfence.lab.profiles import Scale
 from kvfence.lab.scenario import OPERATOR, LabServer, find_leak, lab_server
@@ -29,6 +28,7 @@ from kvfence.lab.scenario import Exchange as LabExchange
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve.app import create_app
 from kvfence.serve.build import PoolSizes, build_local
+from kvfence.serve.pipeline import LocalPipeline
 from kvfence.serve.router import Router
 from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.thread import ServerThread

@@ -44,7 +44,6 @@ from switch_servers import (
 from kvfence.engine.backend import GenerateWork
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.messages import SamplingParams
-from kvfence.engine.pipeline import CollectingSink, LocalPipeline, Result
 from kvfence.engine.request import RequestState
 from kvfence.engine.sizing import CapacityGateError
 from kvfence.faults import POISON_SEED, Fault, FaultSet
@@ -52,6 +51,7 @@ from kvfence.kv.pool import BatchPages, IsolationViolation, PageHandle
 from kvfence.model.loader import load_model
 from kvfence.serve.app import create_app
 from kvfence.serve.build import PoolSizes, build_local
+from kvfence.serve.pipeline import CollectingSink, LocalPipeline, Result
 from kvfence.serve.tenants import TenantRegistry
 from kvfence.transfer.link import inprocess_link
 

@@ -34,7 +34,7 @@ class PoolInbound:
         self.open[reservation.room] = [h.index for h in reservation.handles]
 
     def cancel(self, room: str) -> None:
-        return  # the pipeline's transport confirms with `close` (I7: never assumed)
+        return  # the transport confirms with `close` (I7: never assumed)
 
     def close(self, room: str) -> None:
         indices = self.open.pop(room, None)

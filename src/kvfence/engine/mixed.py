@@ -1,10 +1,10 @@
 """Mixed batches: decode's tokens and prefill's chunks in one forward, so the weights are read once.
 
-The in-process pipeline's prefill and decode engines each keep their own pool
-and their own page tables; only the model step is shared. Decode's rows are
-planned first (one token each) and count against the step's token budget;
-prefill's running and new prompts fill what is left (chunked prefill), at
-least a page's worth so prompts progress however many rows decode. The model
+In one process the prefill role carries the decode engine (roles/prefill.py): the
+two engines keep their own pools and page tables; only the model step is shared.
+Decode's rows are planned first (one token each) and count against the step's
+token budget; prefill's running and new prompts fill what is left (chunked
+prefill), at least a page's worth so prompts progress however many rows decode. The model
 verifies both pools' page tables before it writes or reads either (I1); when
 the ledger refuses a row, each engine re-runs alone and fails just that row
 (`runner.forward_together`). Greedy outputs equal the two-forward path's.

@@ -1,6 +1,6 @@
 """The router role: bootstrap -> ready -> prefill work -> deliver exactly once.
 
-Shared by the two backends: the in-process pipeline (engine/pipeline.py)
+Shared by the two backends: the in-process pipeline (serve/pipeline.py)
 and the disaggregated one (hub/backend.py). A room opens with the
 decode `Bootstrap` (a room in use is refused, never merged: I9); when decode
 has reserved the pages, `ready` turns the work into `PrefillWork` for those

@@ -5,6 +5,10 @@ hands it `Bootstrap`, `Abort` and prefill's `TransferDone(ok=False)`, and hears
 back reservations, refusals and token events. What landed is reconciled
 against the room's reservation before a token is decoded (I3); a room whose
 transfer ended without landing fails (I6) and its window closes (I7).
+
+Where a prefill role in the same process carries this engine (mixed batches),
+decode's rows ride in that role's forward: this turn takes in and hands out, and
+never steps.
 """
 
 from __future__ import annotations
@@ -14,13 +18,22 @@ from collections.abc import Callable
 
 from kvfence.engine.counters import Counters
 from kvfence.engine.decode import DecodeEngine
-from kvfence.engine.kvlink import apply_transfer_events
-from kvfence.engine.messages import Abort, Bootstrap, BootstrapReady, Failure, TransferDone
+from kvfence.engine.messages import (
+    Abort,
+    Bootstrap,
+    BootstrapReady,
+    ErrorInfo,
+    Failure,
+    TransferDone,
+)
 from kvfence.kv.pool import KVPool, PageHandle
 from kvfence.roles.control import DecodeControl, DecodeInput
 from kvfence.roles.prefill import ledger_check
 from kvfence.transfer.base import KVReceiver
 from kvfence.transfer.lab_holds import LabHold
+from kvfence.transfer.rooms import Event
+
+TRANSFER_INCOMPLETE = "KV transfer did not complete (sender gone or transfer refused)"
 
 
 class DecodeRole:
@@ -29,10 +42,13 @@ class DecodeRole:
         engine: DecodeEngine,
         receiver: KVReceiver,
         hold: LabHold | None = None,  # the lab's `hold=FOLDER` switch: no step while held
+        *,
+        carried: bool = False,  # a prefill role in this process steps this engine's rows
     ) -> None:
         self.engine = engine
         self.receiver = receiver
         self.hold = hold
+        self.carried = carried
         self.transfer_failures = 0
 
     @property
@@ -48,11 +64,12 @@ class DecodeRole:
         engine = self.engine
         for msg in control.receive(engine.has_work):
             self.take(msg, control)
-        for failure in apply_transfer_events(engine, self.receiver.poll()):
+        for failure in self.landed(self.receiver.poll()):
             self.transfer_failures += 1  # cancelled, refused or its sender died
             control.event(failure)
         control.stepping(engine.has_work)
-        if engine.has_work and not (self.hold and self.hold.holds_step(bool(engine.running))):
+        held = self.hold is not None and self.hold.holds_step(bool(engine.running))
+        if engine.has_work and not (self.carried or held):
             engine.step()
         out = engine.drain()
         for ready in out.ready:
@@ -60,6 +77,20 @@ class DecodeRole:
         for event in out.events:
             control.event(event)
         control.turn_done(bool(out))
+
+    def landed(self, events: list[Event]) -> list[Failure]:
+        """What landed goes to decode, which reconciles it (I3); each row still waiting for
+        its KV when its room ended (cancelled, refused, the sender died) fails (I6)."""
+        failures = []
+        for event in events:
+            if not isinstance(event, TransferDone):
+                self.engine.on_transfer(event.manifest, event.checksum)
+            elif not event.ok and self.engine.awaiting_transfer(event.room):
+                self.engine.abort(event.room, "KV transfer did not complete")
+                failures.append(
+                    Failure(event.room, ErrorInfo(502, "transfer_failed", TRANSFER_INCOMPLETE))
+                )
+        return failures
 
     def take(self, msg: DecodeInput, control: DecodeControl) -> None:
         if isinstance(msg, Bootstrap):

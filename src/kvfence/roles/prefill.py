@@ -1,28 +1,46 @@
 """The prefill role: work in, one step, refusals and notes out, KV out to decode.
 
-The role owns the prefill engine, its pool and the KV senders (one per decode
-KV address). Its coordinator hands it `PrefillWork` (with the decode KV address
-the room's pages were granted at) and `Abort`, and hears back what the step
-produced. A room's pages are released only after its KV send returned (I7):
+The role owns the prefill engine, its pool and its KV half (the senders, one per
+decode KV address). Its coordinator hands it `PrefillWork` (with the decode KV
+address the room's pages were granted at) and `Abort`, and hears back what the
+step produced. A room's pages are released only after its KV send returned (I7):
 `transfer_done` follows the send, never precedes it.
+
+Where decode runs in the same process (the single process, mixed batches), the
+role carries the decode engine: decode's rows ride in this role's forward, so the
+weights are read once a step, and the decode role's own turn never steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 from kvfence.engine.counters import Counters
+from kvfence.engine.decode import DecodeEngine
 from kvfence.engine.messages import Abort, ErrorInfo, Failure, PrefillWork
+from kvfence.engine.mixed import mixed_step
 from kvfence.engine.prefill import OutboundTransfer, PrefillEngine
 from kvfence.kv.pool import KVPool, PageHandle
 from kvfence.roles.control import PrefillControl, PrefillInput
-from kvfence.transfer.senders import Senders
+
+
+class KVOut(Protocol):
+    """Prefill's KV half (`transfer.senders.Senders`, or one process's in-process link)."""
+
+    def send(self, addr: str, transfer: OutboundTransfer, pool: KVPool) -> str | None:
+        """Send the room's KV to the decode at `addr`: None when sent, else why it was not."""
+
+    def close(self) -> None: ...
 
 
 class PrefillRole:
-    def __init__(self, engine: PrefillEngine, senders: Senders) -> None:
+    def __init__(
+        self, engine: PrefillEngine, senders: KVOut, carries: DecodeEngine | None = None
+    ) -> None:
         self.engine = engine
         self.senders = senders
+        self.carries = carries  # decode in this process: its rows ride in this role's forward
         self.dest_of: dict[str, str] = {}  # room -> decode KV address, until its KV is sent
         self.transfer_failures = 0
 
@@ -33,10 +51,12 @@ class PrefillRole:
     def turn(self, control: PrefillControl) -> None:
         """receive -> step -> refusals and notes -> KV out, then the coordinator's pacing."""
         engine = self.engine
-        for msg in control.receive(engine.has_work):
+        for msg in control.receive(self.has_work):
             self.take(msg)
-        control.stepping(engine.has_work)
-        if engine.has_work:
+        control.stepping(self.has_work)
+        if self.carries is not None:
+            mixed_step(engine, self.carries)  # decode's rows first, prefill's chunks in the rest
+        elif engine.has_work:
             engine.step()
         out = engine.drain()
         for failure in out.to_router:
@@ -72,7 +92,8 @@ class PrefillRole:
 
     @property
     def has_work(self) -> bool:
-        return self.engine.has_work
+        """The step can make progress: prefill's work, or the carried decode engine's."""
+        return self.engine.has_work or (self.carries is not None and self.carries.has_work)
 
     @property
     def busy(self) -> bool:

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvfence.engine.config import EngineConfig, default_of
-from kvfence.engine.pipeline import LocalPipeline
 from kvfence.engine.prefill_order import PrefillOrder
 from kvfence.engine.sizing import DEFAULT_HEADROOM
 from kvfence.faults import FaultSet
@@ -21,6 +20,7 @@ from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import ScrubPolicy
 from kvfence.model.loader import LoadedModel, load_model
 from kvfence.serve.config import ServeConfig
+from kvfence.serve.pipeline import LocalPipeline
 from kvfence.serve.pool_sizing import ROLES, PoolSizes, available_memory_bytes
 from kvfence.serve.specs import SHARED_NAMESPACE
 from kvfence.transfer.inprocess import InProcessTransport

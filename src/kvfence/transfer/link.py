@@ -1,4 +1,4 @@
-"""A KV transport's two halves in one process: the engine's `KVLink` (engine/kvlink.py).
+"""A KV transport's two halves in one process: the single process's link (serve/pipeline.py).
 
 `kvfence serve` runs prefill and decode in one process; this is how their KV
 still goes through the transport contract (grant, manifest, reconcile,
@@ -22,7 +22,7 @@ from kvfence.transfer.rooms import Event
 
 
 class TransportLink:
-    """Decode's receiver and a sender connected to it, behind the engine's `KVLink` seam."""
+    """Decode's receiver and a sender connected to it: the two roles' KV halves in one process."""
 
     def __init__(self, receiver: KVReceiver, sender: KVSender) -> None:
         self.receiver = receiver

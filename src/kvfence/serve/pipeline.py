@@ -1,21 +1,24 @@
-"""The in-process PD pipeline: router, prefill and decode roles in one engine thread.
+"""The in-process coordinator: the prefill and decode roles turned by one engine thread.
 
 kvfence is always disaggregated in structure. Here the prefill engine and the
-decode engine each own a `KVPool` in the same process, and a `KVLink` (a KV
-transport's two halves, engine/kvlink.py) moves KV from one to the other
-under the same contract as across processes: a grant before any write, a
-manifest that decode reconciles (I3), and an inbound window that defers any
-release until the transport confirms (I7). The disaggregated backend runs
-the very same engines in separate processes.
+decode engine each own a `KVPool` in the same process, each is driven by its
+role (kvfence/roles) exactly as a worker's is, and KV moves from one pool to the
+other through a transport's two halves (`transfer/link.py`) under the same
+contract as across processes: a grant before any write, a manifest that decode
+reconciles (I3), and an inbound window that defers any release until the
+transport confirms (I7).
 
-One engine thread loops: take new submits and aborts (the router role:
-bootstrap at decode, then prefill work), one step of both engines, the KV
-copies prefill produced, then deliver events. The step is one forward
-(`EngineConfig.mixed_batches`): decode's rows first, prefill's chunks in the
-rest of the token budget, each engine's rows attending only in its own pool,
-both pools' page tables verified before any read (I1). It sleeps on a condition when
-there is nothing to do. Every request ends exactly once at its sink: its last
-`TokenChunk` (with `finish_reason`) or one `Failure` (I6).
+The engine thread loops: route what callers submitted and aborted (the router
+role, engine/routing.py: bootstrap at decode, then prefill work), then one turn
+of the decode role (what landed, I3; reservations and tokens out) and one of the
+prefill role (work in, the step, KV out). With mixed batches
+(`EngineConfig.mixed_batches`) the prefill role carries the decode engine: one
+forward runs decode's rows first and prefill's chunks in the rest of the token
+budget, each engine's rows attending only in its own pool, both pools' page
+tables verified before any read (I1). What one role hands the other waits in an
+inbox until the other's turn (serve/local_control.py). The thread sleeps on a
+condition when there is nothing to do. Every request ends exactly once at its
+sink: its last `TokenChunk` (with `finish_reason`) or one `Failure` (I6).
 
 A request that makes the step raise fails alone (engine/row_errors.py: the
 engines run its rows again one by one). An exception no request explains is
@@ -30,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -39,30 +42,32 @@ from kvfence.engine.backend import BackendStats, GenerateWork, PoolInfo, Sink
 from kvfence.engine.collecting import CollectingSink, Result
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.decode import DecodeEngine
-from kvfence.engine.kvlink import KVLinkFactory, apply_transfer_events
-from kvfence.engine.messages import (
-    Abort,
-    BootstrapReady,
-    ErrorInfo,
-    Failure,
-    TokenChunk,
-    TransferDone,
-)
-from kvfence.engine.mixed import mixed_step
-from kvfence.engine.prefill import PrefillEngine, PrefillOutput
-from kvfence.engine.routing import Room, Rooms, is_final
+from kvfence.engine.messages import Abort, ErrorInfo, Failure
+from kvfence.engine.prefill import PrefillEngine
+from kvfence.engine.routing import Room, Rooms
 from kvfence.engine.row_errors import describe
 from kvfence.engine.threads import enter_engine_thread
 from kvfence.faults import FaultSet
 from kvfence.kv.geometry import KVGeometry
 from kvfence.kv.pool import KVPool
 from kvfence.model.base import CausalLM
+from kvfence.roles.decode import DecodeRole
+from kvfence.roles.prefill import PrefillRole
+from kvfence.serve.local_control import (
+    LinkOut,
+    LocalDecodeControl,
+    LocalExchange,
+    LocalPrefillControl,
+)
+from kvfence.transfer.link import TransportLink
 
 __all__ = ["CollectingSink", "LocalPipeline", "Result"]  # the sink lives in engine/collecting.py
 
 log = logging.getLogger(__name__)
 
-_IDLE_POLL_S = 0.01  # re-check after a step that made no progress (e.g. waiting for pages)
+_IDLE_POLL_S = 0.01  # re-check after a turn that made no progress (e.g. waiting for pages)
+
+KVLinkFactory = Callable[[KVPool], TransportLink]  # decode's pool -> the link that writes into it
 
 
 @dataclass(slots=True)
@@ -78,13 +83,13 @@ class _AbortCmd:
 
 
 class LocalPipeline:
-    """The embedded default `Backend`: prefill + decode engines, each with its own pool.
+    """The embedded default `Backend`: prefill + decode roles, each engine with its own pool.
 
     Example::
 
         from kvfence.engine.config import EngineConfig
         from kvfence.engine.messages import SamplingParams
-        from kvfence.engine.pipeline import CollectingSink, LocalPipeline
+        from kvfence.serve.pipeline import CollectingSink, LocalPipeline
         from kvfence.model.loader import load_model
         from kvfence.engine.backend import GenerateWork
         from kvfence.transfer.link import inprocess_link
@@ -103,9 +108,10 @@ class LocalPipeline:
 
     `submit` and `abort` are thread-safe and never block on the model; events
     reach the sink from the engine thread. `kv_link` makes the transport from
-    decode's pool; the engine only defines the seam (transfer fills it).
-    `torch_threads` (0: torch's setting) are the engine thread's intra-op threads; a
-    server builds with one and gives the rest here (engine/threads.py says why).
+    decode's pool (`transfer.link.inprocess_link`, or any `KVTransport` through
+    `TransportLink.open`). `torch_threads` (0: torch's setting) are the engine
+    thread's intra-op threads; a server builds with one and gives the rest here
+    (engine/threads.py says why).
     """
 
     def __init__(
@@ -136,14 +142,21 @@ class LocalPipeline:
         self.decode = DecodeEngine(
             model, self.decode_pool, config, self.faults, inbound=self.kv_link.window
         )
+        mixed = config.mixed_batches
+        self.kv_out = LinkOut(self.kv_link)
+        self.decode_role = DecodeRole(self.decode, self.kv_link.receiver, carried=mixed)
+        carries = self.decode if mixed else None
+        self.prefill_role = PrefillRole(self.prefill, self.kv_out, carries=carries)
+        self.rooms = Rooms(self.faults)  # requests not yet ended (I6: each ends once)
+        self._x = LocalExchange(self.rooms)
+        self._prefill_control = LocalPrefillControl(self._x)
+        self._decode_control = LocalDecodeControl(self._x)
         self._cond = threading.Condition()
         self._inbox: list[_Submit | _AbortCmd] = []
-        self.rooms = Rooms(self.faults)  # requests not yet ended (I6: each ends once)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._idle = True
         self._broken: str | None = None
-        self._transfer_failures = 0
         self._torch_threads = torch_threads  # the engine thread's (engine/threads.py)
 
     # ---- Backend ------------------------------------------------------------------------
@@ -167,14 +180,30 @@ class LocalPipeline:
         if why is not None:  # nobody would ever run it: end it now (I6)
             sink(Failure(work.room, ErrorInfo(503, "server_error", why)))
             return
-        with self._cond:
-            self._inbox.append(_Submit(work, sink))
-            self._idle = False
-            self._cond.notify_all()
+        self._post(_Submit(work, sink))
+
+    def abort(self, room: str, reason: str) -> None:
+        self._post(_AbortCmd(room, reason))
 
     def health(self) -> str | None:
         """None while the engine can serve; else why not (broken, stopped, or its thread died)."""
         return self._broken or self._dead_thread()
+
+    def stats(self) -> BackendStats:
+        roles = self.prefill_role.counters() + self.decode_role.counters()
+        counters = dataclasses.replace(
+            roles,
+            aborted=self.rooms.aborted,  # the router role's count: each request once
+            prompt_tokens=self.rooms.prompt_tokens,
+        )
+        prefill = _pool_info("prefill", self.prefill_pool, self.prefill_role.evictable_pages())
+        return BackendStats(counters, (prefill, _pool_info("decode", self.decode_pool)))
+
+    def _post(self, cmd: _Submit | _AbortCmd) -> None:
+        with self._cond:
+            self._inbox.append(cmd)
+            self._idle = False
+            self._cond.notify_all()
 
     def _dead_thread(self) -> str | None:
         if self._stopping:
@@ -183,27 +212,6 @@ class LocalPipeline:
         if thread is not None and not thread.is_alive():
             return "the engine thread is not running"
         return None
-
-    def abort(self, room: str, reason: str) -> None:
-        with self._cond:
-            self._inbox.append(_AbortCmd(room, reason))
-            self._idle = False
-            self._cond.notify_all()
-
-    def stats(self) -> BackendStats:
-        cache = self.prefill.cache
-        engines = self.prefill.counters + self.decode.counters
-        counters = dataclasses.replace(
-            engines,
-            aborted=self.rooms.aborted,  # the router role's count: each request once
-            prompt_tokens=self.rooms.prompt_tokens,
-            prefix_cache_queried_tokens=cache.queried_tokens,
-            prefix_cache_hit_tokens=cache.hit_tokens,
-            transfer_failures=self._transfer_failures,
-        )
-        prefill = _pool_info("prefill", self.prefill_pool, cache.num_evictable)
-        pools = (prefill, _pool_info("decode", self.decode_pool))
-        return BackendStats(counters, pools)
 
     # ---- for tests and operators (call at a quiescent point) --------------------------------
 
@@ -214,15 +222,15 @@ class LocalPipeline:
 
     def check_integrity(self) -> None:
         """Both ledgers consistent and every handle the engines hold still current."""
-        self.prefill_pool.check_integrity(self.prefill.outstanding_handles())
-        self.decode_pool.check_integrity(self.decode.outstanding_handles())
+        self.prefill_pool.check_integrity(self.prefill_role.outstanding())
+        self.decode_pool.check_integrity(self.decode_role.outstanding())
 
     def clear_prefix_cache(self) -> int:
         """Evict every unreferenced cached page (stop the pipeline or wait_idle first)."""
         return self.prefill.cache.clear()
 
     def pump(self) -> bool:
-        """One engine iteration in the caller's thread (only while not started); True if it did anything.
+        """One iteration in the caller's thread (only while not started); True if it did anything.
 
         For tests and step-by-step replays that need to stop the engine at an exact stage.
         """
@@ -243,9 +251,10 @@ class LocalPipeline:
 
     def _loop(self) -> None:
         enter_engine_thread(self._torch_threads)
+        progressed = False
         while True:
             with self._cond:
-                while not (self._stopping or self._inbox or self._has_work()):
+                while not (self._stopping or self._inbox or progressed or self._has_work()):
                     self._idle = True
                     self._cond.notify_all()
                     self._cond.wait()
@@ -257,45 +266,41 @@ class LocalPipeline:
             except Exception as e:  # no request explains it: end every open one honestly (I6)
                 log.exception("engine step failed")
                 self._break(f"the engine failed ({type(e).__name__}); it needs a restart")
+                progressed = False
                 continue  # broken: the loop now only answers new requests with a 503
             if not progressed:
                 with self._cond:
                     self._cond.wait(_IDLE_POLL_S)
 
     def _has_work(self) -> bool:
+        """A turn would make progress. A KV send that just landed shows only at decode's next
+        poll, so the loop also turns once more after any turn that progressed (`_loop`)."""
         if self._broken is not None:
             return False  # a broken engine never steps again
-        return self.prefill.has_work or self.decode.has_work
+        x = self._x
+        return bool(
+            self.prefill_role.has_work or self.decode.has_work or x.to_prefill or x.to_decode
+        )
 
     def _iterate(self, inbox: Iterable[_Submit | _AbortCmd]) -> bool:
+        """route submits and aborts -> decode's turn -> prefill's turn (the step)."""
         progressed = False
-        if self._broken is not None:
-            for cmd in inbox:
-                progressed = True
-                if isinstance(cmd, _Submit):
-                    self._route_submit(cmd.work, cmd.sink)  # a 503 naming why
-            return progressed
         for cmd in inbox:
             progressed = True
             if isinstance(cmd, _Submit):
                 self._route_submit(cmd.work, cmd.sink)
-            else:
+            elif self._broken is None:
                 self._route_abort(cmd.room, cmd.reason)
+        if self._broken is not None:
+            return progressed
         before = self.prefill.counters.computed_tokens + self.decode.counters.generation_tokens
-        if self.config.mixed_batches:
-            mixed_step(self.prefill, self.decode)
-            progressed |= self._route_prefill(self.prefill.drain())
-        else:
-            if self.prefill.has_work:
-                self.prefill.step()
-            progressed |= self._route_prefill(self.prefill.drain())
-            if self.decode.has_work:
-                self.decode.step()
-        progressed |= self._route_decode()
+        self._x.progressed = False
+        self.decode_role.turn(self._decode_control)
+        self.prefill_role.turn(self._prefill_control)
         after = self.prefill.counters.computed_tokens + self.decode.counters.generation_tokens
-        return progressed or after != before
+        return progressed or self._x.progressed or after != before
 
-    # ---- routing (the router role, engine/routing.py) ---------------------------------------
+    # ---- the router role (engine/routing.py) ------------------------------------------------
 
     def _route_submit(self, work: GenerateWork, sink: Sink) -> None:
         if self._broken is not None:
@@ -305,69 +310,14 @@ class LocalPipeline:
         if isinstance(boot, Failure):
             sink(boot)  # the room is someone else's: never merged (I9)
             return
-        answer = self.decode.bootstrap(boot)
-        if isinstance(answer, BootstrapReady):
-            self._on_ready(answer)
-        elif isinstance(answer, Failure):
-            self._deliver(answer)
-
-    def _on_ready(self, ready: BootstrapReady) -> None:
-        work = self.rooms.ready(ready)
-        if work is not None:
-            self.prefill.submit(work)
+        self._x.to_decode.append(boot)
 
     def _route_abort(self, room: str, reason: str) -> None:
         ending = self.rooms.abort(room, reason)
         if ending is None:
             return
-        self.prefill.abort(room, reason)
-        self.decode.abort(room, reason)
-        self._route_prefill(self.prefill.drain())
-        self._deliver(ending)
-
-    def _route_prefill(self, out: PrefillOutput) -> bool:
-        for failure in out.to_router:
-            self._deliver(failure)
-        for msg in out.to_decode:
-            if isinstance(msg, Abort):
-                self.decode.abort(msg.room, msg.reason)
-            elif isinstance(msg, TransferDone) and not msg.ok:
-                self.kv_link.window.cancel(msg.room)  # prefill will never send (I7)
-        for transfer in out.transfers:
-            sent = self.kv_link.send(transfer, self.prefill_pool)
-            if not sent:
-                self._transfer_failures += 1
-            self.prefill.transfer_done(transfer.room, ok=sent)  # I7: only now may prefill free
-        return self._route_transfers() or bool(out)
-
-    def _route_transfers(self) -> bool:
-        """What landed goes to decode (I3); a room that ended without landing fails (I6)."""
-        events = self.kv_link.poll()
-        for failure in apply_transfer_events(self.decode, events):
-            self._transfer_failures += 1
-            self._deliver(failure)
-        return bool(events)
-
-    def _route_decode(self) -> bool:
-        out = self.decode.drain()
-        for ready in out.ready:
-            self._on_ready(ready)
-        for event in out.events:
-            self._deliver(event)
-        return bool(out)
-
-    def _deliver(self, event: TokenChunk | Failure) -> None:
-        room = self.rooms.target(event)
-        if room is None:
-            return  # already ended (I6: exactly once)
-        try:
-            room.sink(event)
-        except Exception:
-            log.exception("sink for room %s failed; aborting the request", event.room)
-            if not is_final(event):
-                self.rooms.open.pop(event.room, None)
-                self.prefill.abort(event.room, "sink failed")
-                self.decode.abort(event.room, "sink failed")
+        self._x.abort_in_roles(room, reason)
+        self._x.deliver(ending)
 
     def _break(self, why: str) -> None:
         """End every open request with `why` (the engine's fault, no request's text) and
@@ -375,11 +325,11 @@ class LocalPipeline:
         self._broken = why
         rooms = list(self.rooms.open)
         for room in rooms:
-            self._deliver(Failure(room, ErrorInfo(500, "server_error", why)))
+            self._x.deliver(Failure(room, ErrorInfo(500, "server_error", why)))
         for room in rooms:
             try:
-                self.prefill.abort(room, why)
-                self.decode.abort(room, why)
+                self.prefill_role.take(Abort(room, why))
+                self.decode_role.abort(room, why)
             except Exception as e:
                 log.error("releasing room %s after the engine failed: %s", room, describe(e))
         with self._cond:
