@@ -12,6 +12,11 @@ Under the lab switch `abort-not-terminal` the pre-fix SGLang path (#30233)
 runs instead: the error goes to a side field, the prompt is replaced by a
 1-token placeholder and the request stays alive, so one page is prefilled and
 sent for a reservation that expects many.
+
+The engine is this module; a prompt's own state and pages are `prefill_seq.py`,
+the order waiting prompts are admitted in `prefill_order.py` (torch-free: the
+command line offers its choices), and the KV a finished prompt hands a
+transport `outbound.py` (what the transports depend on, not the engine).
 """
 
 from __future__ import annotations
@@ -20,14 +25,14 @@ import itertools
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass, field
 
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.counters import Counters
 from kvfence.engine.messages import Abort, Failure, PrefillWork, TransferDone
 from kvfence.engine.outbound import OutboundTransfer
 from kvfence.engine.prefill_order import admission_order, note_admitted
-from kvfence.engine.prefill_pages import allocate, cache_full_pages
-from kvfence.engine.prefill_seq import PrefillOutput, PrefillSeq, PrefillStep
+from kvfence.engine.prefill_seq import PrefillSeq
 from kvfence.engine.prefix_cache import PrefixCache
 from kvfence.engine.request import Request, RequestError, RequestState
 from kvfence.engine.row_errors import RowError
@@ -39,6 +44,26 @@ from kvfence.model.base import CausalLM
 from kvfence.model.batching import RowSpec
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PrefillOutput:
+    """What prefill produced since the last `drain()`, by destination."""
+
+    to_router: list[Failure] = field(default_factory=list)
+    to_decode: list[Abort | TransferDone] = field(default_factory=list)
+    transfers: list[OutboundTransfer] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.to_router or self.to_decode or self.transfers)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillStep:
+    """One planned prefill step: (prompt, tokens this step) pairs and the rows they run as."""
+
+    plan: list[tuple[PrefillSeq, int]]
+    rows: list[RowSpec]
 
 
 class PrefillEngine:
@@ -66,9 +91,8 @@ class PrefillEngine:
         )
         self.waiting: deque[PrefillSeq] = deque()
         self.running: list[PrefillSeq] = []  # PREFILLING, holding pages
-        self.sending: dict[
-            str, PrefillSeq
-        ] = {}  # handed to the transport, pages held until confirmed
+        # Handed to the transport: their pages are held until it confirms (I7).
+        self.sending: dict[str, PrefillSeq] = {}
         self.seqs: dict[str, PrefillSeq] = {}
         self.counters = Counters()
         self._out = PrefillOutput()
@@ -206,7 +230,7 @@ class PrefillEngine:
         for seq in self._admission_order():
             if budget == 0:
                 break
-            if not allocate(self.pool, self.cache, seq):
+            if not seq.take_pages(self.pool, self.cache):
                 break  # clean queuing: wait for pages, never a partial allocation
             self.waiting.remove(seq)
             note_admitted(self.waiting, seq)
@@ -287,7 +311,7 @@ class PrefillEngine:
             start = seq.computed
             seq.computed += n
             self.counters.computed_tokens += n
-            cache_full_pages(self.cache, self.pool.page_size, seq, start, seq.computed)
+            seq.offer_full_pages(self.cache, self.pool.page_size, start)
             if seq.remaining == 0:
                 done.append(i)
         return done
