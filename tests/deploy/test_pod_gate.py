@@ -24,7 +24,7 @@ from deploy_files import containers, gate_probe, of_kind
 
 from kvfence.model.tiny import make_tiny_checkpoint
 from kvfence.serve.app import create_app
-from kvfence.serve.build import PoolSizes, build_local
+from kvfence.serve.build import LocalSpec, PoolSizes, build_local
 from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.thread import ServerThread
 
@@ -41,10 +41,12 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engine(checkpoint: Path, pages: int) -> Iterator[tuple[str, str]]:
     """A kvfence engine on loopback with `pages` pages per role; (its URL, operator key)."""
     parts = build_local(
-        checkpoint,
-        context_length=CONTEXT,
-        pools=PoolSizes(prefill_pages=pages, decode_pages=pages),
-        allow_undersized_pool=pages * 16 < CONTEXT * 1.25,
+        LocalSpec(
+            checkpoint,
+            context_length=CONTEXT,
+            pools=PoolSizes(prefill_pages=pages, decode_pages=pages),
+            allow_undersized_pool=pages * 16 < CONTEXT * 1.25,
+        )
     )
     tenants = TenantRegistry.generate()
     app = create_app(parts.pipeline, parts.loaded.tokenizer, parts.config, tenants)

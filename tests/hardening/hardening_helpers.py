@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from kvfence.serve.app import create_app
-from kvfence.serve.build import PoolSizes, ServerParts, build_local
+from kvfence.serve.build import LocalSpec, PoolSizes, ServerParts, build_local
 from kvfence.serve.http_edge import DEFAULT_HTTP_LIMITS, HttpLimits
 from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.thread import ServerThread
@@ -87,11 +87,13 @@ def live_server(
     http_limits: HttpLimits = DEFAULT_HTTP_LIMITS,
 ) -> Iterator[Live]:
     parts = build_local(
-        checkpoint,
-        kind=kind,
-        context_length=context_length,
-        pools=PoolSizes(prefill_pages=pages, decode_pages=pages),
-        chunk_size=chunk_size,
+        LocalSpec(
+            checkpoint,
+            kind=kind,
+            context_length=context_length,
+            pools=PoolSizes(prefill_pages=pages, decode_pages=pages),
+            chunk_size=chunk_size,
+        )
     )
     parts = replace(parts, config=replace(parts.config, body_timeout_s=body_timeout_s))
     registry = tenants or TenantRegistry.generate(("a", "b"))

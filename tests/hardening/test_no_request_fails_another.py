@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 
 from kvfence.faults import POISON_SEED, Fault, FaultSet
 from kvfence.serve.app import create_app
-from kvfence.serve.build import PoolSizes, ServerParts, build_local
+from kvfence.serve.build import LocalSpec, PoolSizes, ServerParts, build_local
 from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.thread import ServerThread
 
@@ -180,11 +180,13 @@ def registry() -> TenantRegistry:
 @contextmanager
 def single(checkpoint: Path, kind: str = "mirror") -> Iterator[Server]:
     parts = build_local(
-        checkpoint,
-        kind=kind,
-        context_length=CONTEXT,
-        pools=PoolSizes(prefill_pages=512, decode_pages=1024),
-        faults=FaultSet.of(Fault.POISONED_SAMPLING),
+        LocalSpec(
+            checkpoint,
+            kind=kind,
+            context_length=CONTEXT,
+            pools=PoolSizes(prefill_pages=512, decode_pages=1024),
+            faults=FaultSet.of(Fault.POISONED_SAMPLING),
+        )
     )
     tenants = registry()
     keys = {t.name: t.keys[0] for t in tenants.tenants}

@@ -27,7 +27,7 @@ from kvfence.lab.scenario import OPERATOR, LabServer, find_leak, lab_server
 from kvfence.lab.scenario import Exchange as LabExchange
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve.app import create_app
-from kvfence.serve.build import PoolSizes, build_local
+from kvfence.serve.build import LocalSpec, PoolSizes, build_local
 from kvfence.serve.pipeline import LocalPipeline
 from kvfence.serve.router import Router
 from kvfence.serve.tenants import TenantRegistry
@@ -167,10 +167,12 @@ class Served:
 def roomy_server(checkpoint: Path, faults: FaultSet) -> Iterator[Served]:
     """Pools well above the gate (context 4,096), prefix cache on, tenants a and b."""
     parts = build_local(
-        checkpoint,
-        kind="mirror",
-        pools=PoolSizes(prefill_pages=512, decode_pages=512),
-        faults=faults,
+        LocalSpec(
+            checkpoint,
+            kind="mirror",
+            pools=PoolSizes(prefill_pages=512, decode_pages=512),
+            faults=faults,
+        )
     )
     tenants = TenantRegistry.generate(("a", "b"))
     app = create_app(parts.pipeline, parts.loaded.tokenizer, parts.config, tenants)

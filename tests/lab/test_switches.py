@@ -50,7 +50,7 @@ from kvfence.faults import POISON_SEED, Fault, FaultSet
 from kvfence.kv.pool import BatchPages, IsolationViolation, PageHandle
 from kvfence.model.loader import load_model
 from kvfence.serve.app import create_app
-from kvfence.serve.build import PoolSizes, build_local
+from kvfence.serve.build import LocalSpec, PoolSizes, build_local
 from kvfence.serve.pipeline import CollectingSink, LocalPipeline, Result
 from kvfence.serve.tenants import TenantRegistry
 from kvfence.transfer.link import inprocess_link
@@ -93,10 +93,12 @@ def test_undersized_pool_starts_and_admits_a_prompt_over_the_pool(
 ) -> None:
     # Off, strictly: the same pools and no permission to run undersized -> the server refuses to start.
     parts = build_local(
-        lab_checkpoint,
-        kind="mirror",
-        context_length=SCALE.context_length,
-        pools=PoolSizes(prefill_pages=SCALE.prefill_pages, decode_pages=SCALE.decode_pages),
+        LocalSpec(
+            lab_checkpoint,
+            kind="mirror",
+            context_length=SCALE.context_length,
+            pools=PoolSizes(prefill_pages=SCALE.prefill_pages, decode_pages=SCALE.decode_pages),
+        )
     )
     with pytest.raises(CapacityGateError) as e:
         create_app(parts.pipeline, parts.loaded.tokenizer, parts.config, TenantRegistry.generate())

@@ -16,7 +16,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfence.serve.app import create_app
-from kvfence.serve.build import PoolSizes, ServerParts, build_local
+from kvfence.serve.build import LocalSpec, PoolSizes, ServerParts, build_local
 from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.thread import ServerThread
 
@@ -51,10 +51,8 @@ class Stepped:
 
 @contextmanager
 def stepped_server(checkpoint: Path) -> Iterator[Stepped]:
-    parts = build_local(
-        checkpoint, kind="mirror", pools=PoolSizes(prefill_pages=64, decode_pages=64),
-        context_length=512,
-    )  # fmt: skip
+    pools = PoolSizes(prefill_pages=64, decode_pages=64)
+    parts = build_local(LocalSpec(checkpoint, kind="mirror", pools=pools, context_length=512))
     tenants = TenantRegistry.generate(("a", "b"))
     app = create_app(parts.pipeline, parts.loaded.tokenizer, parts.config, tenants)
     with ServerThread(app) as srv, httpx.Client(timeout=60) as http:

@@ -21,7 +21,7 @@ from pd_helpers import TENANTS, cluster
 
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve.app import create_app
-from kvfence.serve.build import PoolSizes, build_local
+from kvfence.serve.build import LocalSpec, PoolSizes, build_local
 from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.thread import ServerThread
 
@@ -40,10 +40,12 @@ def _single_process_texts(
 ) -> list[Any]:
     """Each prompt's greedy answer (`complete`, by default its text) from one process."""
     parts = build_local(
-        checkpoint,
-        kind="llama",
-        context_length=context_length,
-        pools=PoolSizes(prefill_pages=pages, decode_pages=pages),
+        LocalSpec(
+            checkpoint,
+            kind="llama",
+            context_length=context_length,
+            pools=PoolSizes(prefill_pages=pages, decode_pages=pages),
+        )
     )
     complete = complete or _complete
     tenants = TenantRegistry.generate(("a",))

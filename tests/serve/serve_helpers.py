@@ -14,7 +14,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfence.serve.app import create_app
-from kvfence.serve.build import ServerParts, build_local
+from kvfence.serve.build import LocalSpec, ServerParts, build_local
 from kvfence.serve.router import Router
 from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.thread import ServerThread
@@ -109,7 +109,7 @@ def serve(
     request_log: Path | None = None,
     **build: Any,
 ) -> Iterator[Served]:
-    parts = build_local(checkpoint, kind=kind, **build)
+    parts = build_local(LocalSpec(checkpoint, kind=kind, **build))
     registry = tenants or TenantRegistry.generate(TENANTS)
     app = create_app(
         parts.pipeline, parts.loaded.tokenizer, parts.config, registry, request_log=request_log

@@ -15,7 +15,7 @@ from kvfence.cli import main
 from kvfence.engine.sizing import CapacityGateError
 from kvfence.faults import Fault, FaultSet
 from kvfence.serve.app import create_app
-from kvfence.serve.build import PoolSizes, build_local
+from kvfence.serve.build import LocalSpec, PoolSizes, build_local
 from kvfence.serve.tenants import TenantRegistry
 
 SMALL_PREFILL = PoolSizes(prefill_pages=64, decode_pages=512)  # 1,024 tokens < 4,096 x 1.25
@@ -32,7 +32,7 @@ def test_serve_refuses_to_start_when_the_gate_fails(checkpoint: Path) -> None:
 
 
 def test_create_app_runs_the_gate_on_the_live_pools(checkpoint: Path) -> None:
-    parts = build_local(checkpoint, kind="mirror", pools=SMALL_PREFILL)
+    parts = build_local(LocalSpec(checkpoint, kind="mirror", pools=SMALL_PREFILL))
     with pytest.raises(CapacityGateError) as e:
         create_app(parts.pipeline, parts.loaded.tokenizer, parts.config, TenantRegistry.generate())
     assert e.value.report.pool_tokens == 1024 and e.value.report.context_length == 4096

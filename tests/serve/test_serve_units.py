@@ -145,11 +145,11 @@ def test_room_ids_are_unique_and_a_collision_is_detected(
     """I9: rooms come from `secrets`; a repeated draw is caught, counted and never reused."""
     from kvfence.model.tiny import make_tiny_checkpoint
     from kvfence.serve.app import create_app
-    from kvfence.serve.build import PoolSizes, build_local
+    from kvfence.serve.build import LocalSpec, PoolSizes, build_local
     from kvfence.serve.router import ROOM_ATTEMPTS
 
     ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("rooms") / "t")
-    parts = build_local(ckpt, kind="mirror", pools=PoolSizes(512, 512))
+    parts = build_local(LocalSpec(ckpt, kind="mirror", pools=PoolSizes(512, 512)))
     app = create_app(parts.pipeline, parts.loaded.tokenizer, parts.config, TenantRegistry.dev())
     router = app.state.router
     rooms = {router.new_room("default") for _ in range(1000)}
@@ -171,7 +171,7 @@ def test_the_step_budget_reaches_every_engine_a_serve_command_builds(
     from kvfence.launch.cli import serve
     from kvfence.launch.options import Role, ServeOptions, stack_worker_argv
     from kvfence.model.tiny import make_tiny_checkpoint
-    from kvfence.serve.build import PoolSizes, build_local
+    from kvfence.serve.build import LocalSpec, PoolSizes, build_local
     from kvfence.serve.specs import engine_config
 
     ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("budget") / "t")
@@ -184,7 +184,9 @@ def test_the_step_budget_reaches_every_engine_a_serve_command_builds(
         serve.make_context("serve", ["--max-batch-tokens", "0"])
     assert bad.value.param is not None and bad.value.param.name == "max_batch_tokens"
 
-    parts = build_local(ckpt, kind="mirror", pools=PoolSizes(64, 64), max_batch_tokens=64)
+    parts = build_local(
+        LocalSpec(ckpt, kind="mirror", pools=PoolSizes(64, 64), max_batch_tokens=64)
+    )
     assert parts.pipeline.config.max_batch_tokens == 64
     options = ServeOptions(**params)
     spec = options.worker_spec(Role.PREFILL, "-", "-")
@@ -203,7 +205,7 @@ def test_the_prefill_order_reaches_every_engine_a_serve_command_builds(
     from kvfence.launch.cli import serve
     from kvfence.launch.options import Role, ServeOptions, stack_worker_argv
     from kvfence.model.tiny import make_tiny_checkpoint
-    from kvfence.serve.build import PoolSizes, build_local
+    from kvfence.serve.build import LocalSpec, PoolSizes, build_local
     from kvfence.serve.specs import engine_config
 
     ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("order") / "t")
@@ -216,7 +218,7 @@ def test_the_prefill_order_reaches_every_engine_a_serve_command_builds(
     assert bad.value.param is not None and bad.value.param.name == "prefill_order"
 
     parts = build_local(
-        ckpt, kind="mirror", pools=PoolSizes(64, 64), prefill_order=PrefillOrder.ARRIVAL
+        LocalSpec(ckpt, kind="mirror", pools=PoolSizes(64, 64), prefill_order=PrefillOrder.ARRIVAL)
     )
     assert parts.pipeline.config.prefill_order is PrefillOrder.ARRIVAL
     options = ServeOptions(**params)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvfence.engine.sizing import GateReport
-from kvfence.serve.build import PoolSizes, build_local
+from kvfence.serve.build import LocalSpec, PoolSizes, build_local
 from kvfence.serve.config import EXIT_GATE, Capacity
 from kvfence.serve.serving import Listen, Server, run_server
 from kvfence.serve.tenants import TenantRegistry
@@ -29,7 +29,7 @@ def _engine_threads() -> list[threading.Thread]:
 def test_a_failing_gate_returns_its_code_unbound_unannounced_and_the_backend_stopped(
     checkpoint: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    parts = build_local(checkpoint, kind="mirror", pools=SMALL_PREFILL)
+    parts = build_local(LocalSpec(checkpoint, kind="mirror", pools=SMALL_PREFILL))
     server = Server(parts.pipeline, parts.loaded.tokenizer, parts.config, TenantRegistry.dev())
     announced: list[str] = []
 

@@ -28,7 +28,8 @@ from kvfence.faults import Fault, FaultSet
 from kvfence.lab.profiles import Scale
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.serve.app import create_app
-from kvfence.serve.build import PoolSizes, build_local
+from kvfence.serve.build import LocalSpec, build_local
+from kvfence.serve.pool_sizing import PoolSizes
 from kvfence.serve.tenants import TenantRegistry
 from kvfence.serve.thread import ServerThread
 
@@ -120,7 +121,7 @@ def lab_server(
     the scenario), so the server runs in the honest `allow_undersized_pool`
     mode: the edge rejects prompt + max_tokens > pool with HTTP 400 (I4).
     """
-    parts = build_local(
+    spec = LocalSpec(
         checkpoint,
         kind=model_kind,
         context_length=scale.context_length,
@@ -131,6 +132,7 @@ def lab_server(
         lab_profile=profile,
         prefix_cache=False,
     )
+    parts = build_local(spec)
     tenants = TenantRegistry.generate((TENANT_A, TENANT_B))
     keys = {t.name: t.keys[0] for t in tenants.tenants}
     keys[OPERATOR] = tenants.operator_keys[0]  # /metrics and the lab facts are operator data

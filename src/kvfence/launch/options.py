@@ -27,7 +27,7 @@ from kvfence.launch.option_types import PerRole
 from kvfence.serve.specs import RouterSpec, SglangWorkerSpec, WorkerSpec, is_loopback
 
 if TYPE_CHECKING:
-    from kvfence.serve.build import ServerParts
+    from kvfence.serve.build import LocalSpec, ServerParts
     from kvfence.sglang_stack.stack import StackSpec
 
 
@@ -174,9 +174,9 @@ class ServeOptions:
 
     # ---- what each role is built from ------------------------------------------------------
 
-    def build_local(self, torch_threads: int) -> ServerParts:
-        """The single-process server's parts (loads the model); a bad value is a usage error."""
-        from kvfence.serve.build import build_local
+    def local_spec(self) -> LocalSpec:
+        """The single process's spec (importing it loads torch: only on that path)."""
+        from kvfence.serve.build import LocalSpec
         from kvfence.serve.pool_sizing import PoolSizes
 
         pools = PoolSizes(
@@ -186,24 +186,29 @@ class ServeOptions:
             self.kv_bytes.decode,
             self.kv_memory_fraction,
         )
+        return LocalSpec(
+            self.checkpoint,
+            kind=self.model_kind,
+            context_length=self.context_length,
+            pools=pools,
+            page_size=self.page_size,
+            max_batch_tokens=self.max_batch_tokens,
+            prefill_order=self.prefill_order,
+            scrub=self.scrub,
+            prefix_cache=self.prefix_cache,
+            shared_prefix_cache=self.shared_prefix_cache,
+            faults=self.faults,
+            headroom=self.headroom,
+            allow_undersized_pool=self.allow_undersized_pool,
+            default_max_tokens=self.default_max_tokens,
+        )
+
+    def build_local(self, torch_threads: int) -> ServerParts:
+        """The single-process server's parts (loads the model); a bad value is a usage error."""
+        from kvfence.serve.build import build_local
+
         try:
-            return build_local(
-                self.checkpoint,
-                kind=self.model_kind,
-                context_length=self.context_length,
-                pools=pools,
-                page_size=self.page_size,
-                max_batch_tokens=self.max_batch_tokens,
-                prefill_order=self.prefill_order,
-                scrub=self.scrub,
-                faults=self.faults,
-                prefix_cache=self.prefix_cache,
-                shared_prefix_cache=self.shared_prefix_cache,
-                headroom=self.headroom,
-                allow_undersized_pool=self.allow_undersized_pool,
-                default_max_tokens=self.default_max_tokens,
-                torch_threads=torch_threads,
-            )
+            return build_local(self.local_spec(), torch_threads=torch_threads)
         except (OSError, ValueError) as e:
             raise click.UsageError(str(e)) from None
 
