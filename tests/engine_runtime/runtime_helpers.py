@@ -73,7 +73,10 @@ def run(pipe: LocalPipeline, works: Sequence[GenerateWork]) -> list[Result]:
 
 
 def assert_quiet_and_empty(pipe: LocalPipeline) -> None:
-    """Ledgers consistent; with the prefix cache emptied, every page of both pools is free."""
+    """Ledgers consistent; with the prefix cache emptied, every page of both pools is free;
+    neither role still holds a room (a coordinator runs its ledger check only when not busy)."""
+    assert pipe.prefill_role.open_rooms() == [] and not pipe.prefill_role.busy
+    assert pipe.decode_role.open_rooms() == [] and not pipe.decode_role.busy
     pipe.check_integrity()
     pipe.clear_prefix_cache()
     pipe.check_integrity()

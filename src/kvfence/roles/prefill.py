@@ -60,6 +60,7 @@ class PrefillRole:
             engine.step()
         out = engine.drain()
         for failure in out.to_router:
+            self.dest_of.pop(failure.room, None)  # rejected or failed: its KV is never sent
             control.refused(failure)
         for note in out.to_decode:
             control.note(note)
