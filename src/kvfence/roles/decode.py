@@ -68,8 +68,7 @@ class DecodeRole:
             self.transfer_failures += 1  # cancelled, refused or its sender died
             control.event(failure)
         control.stepping(engine.has_work)
-        held = self.hold is not None and self.hold.holds_step(bool(engine.running))
-        if engine.has_work and not (self.carried or held):
+        if engine.has_work and not (self.carried or self._held()):
             engine.step()
         out = engine.drain()
         for ready in out.ready:
@@ -77,6 +76,10 @@ class DecodeRole:
         for event in out.events:
             control.event(event)
         control.turn_done(bool(out))
+
+    def _held(self) -> bool:
+        """The lab's hold: the step is skipped (after a poll's sleep) while it is set."""
+        return self.hold is not None and self.hold.holds_step(bool(self.engine.running))
 
     def landed(self, events: list[Event]) -> list[Failure]:
         """What landed goes to decode, which reconciles it (I3); each row still waiting for
