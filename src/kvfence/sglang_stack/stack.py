@@ -78,9 +78,8 @@ class StackSpec:
     # operator-data paths); the tenants' address is the edge either way.
     keyed_control_plane: bool = True
     # True: the workers, all on this host, share its cores step by step (cores.py): a worker
-    # stepping alone takes every core, beside the others its share. Off by default: on a host
-    # whose load rises mid-step, a two-thread prefill step outlived decode's 30 s pairing wait
-    # (1 of 16 requests a 504, load 3.7 -> 17); each worker then keeps `--torch-threads`.
+    # stepping alone takes every free core, beside the others its share. Off by default until
+    # it measures above a run's noise (docs/BENCHMARKS.md); each worker keeps `--torch-threads`.
     share_cores: bool = False
 
 
