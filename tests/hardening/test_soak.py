@@ -1,11 +1,12 @@
-"""The 32-tenant soak (bench/soak.py) in CI: 60 s of mixed traffic on the disaggregated engine.
+"""The 32-tenant soak (bench/soak.py) in CI: mixed traffic on the disaggregated engine.
 
 Asserts 0 sentinel crossings, the client's counts per outcome equal to the
 server's counters, no page in use once quiet and every worker's ledger
-integrity ok; prints requests served, TTFT p50/p99 and throughput against a
-single-tenant run of the same length. The broken build (the incident's
-switches, no-ledger-check among them) must show crossings in the same soak.
-`python bench/soak.py --seconds N` runs it longer.
+integrity ok; prints requests served and TTFT p50/p99. The broken build (the
+incident's switches, no-ledger-check among them) must show crossings in the
+same soak. `python bench/soak.py --seconds N` runs it longer and adds the
+single-tenant throughput it is compared with (a benchmark figure: CI asserts
+nothing on it, so CI does not spend a second soak's length measuring it).
 """
 
 from __future__ import annotations
@@ -22,17 +23,22 @@ from bench.soak import soak  # noqa: E402
 
 from kvfence.lab.profiles import INCIDENT_FAULTS  # noqa: E402
 
-SECONDS = float(os.environ.get("KVFENCE_SOAK_SECONDS", "60"))
+# Sized from what the soak must show: every tenant's mix cycling the pool many times over.
+# 20 s gave 4,100 requests at load 1.4 (816 near-limit prompts of 500 tokens, 32 of the 256
+# 16-token pages each: the pool refilled about 100 times) and still 772 at load 21; a build
+# without page invalidation fails its ledger check within them. The kill -9 soak below runs
+# the same mix for longer with every check of this one. Longer: bench/soak.py, or this knob.
+SECONDS = float(os.environ.get("KVFENCE_SOAK_SECONDS", "20"))
 
 
-def test_32_tenants_for_a_minute_no_crossing_every_request_accounted(
+def test_32_tenants_of_mixed_traffic_no_crossing_every_request_accounted(
     hardening_checkpoint: Path,
 ) -> None:
-    r = soak(hardening_checkpoint, seconds=SECONDS, tenants=32)
+    r = soak(hardening_checkpoint, seconds=SECONDS, tenants=32, baseline=False)
     print(
-        f"soak: {r.requests} requests, {r.served} served, {len(r.crossings)} crossings, "
-        f"kinds {dict(r.kinds)}, TTFT p50 {r.p50_ms:.0f} ms p99 {r.p99_ms:.0f} ms, "
-        f"{r.throughput:.1f} req/s vs single tenant {r.single_throughput:.1f} req/s, "
+        f"soak {SECONDS:g} s: {r.requests} requests, {r.served} served, "
+        f"{len(r.crossings)} crossings, kinds {dict(r.kinds)}, "
+        f"TTFT p50 {r.p50_ms:.0f} ms p99 {r.p99_ms:.0f} ms, {r.throughput:.1f} req/s, "
         f"load {os.getloadavg()[0]:.1f}"
     )
     assert r.requests > 32 and all(r.kinds[k] > 0 for k in ("over-long", "cut-stream"))
