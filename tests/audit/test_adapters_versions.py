@@ -274,11 +274,11 @@ def test_tgi_batch_pool_of_an_older_version_than_read_is_unknown(replay: ReplayS
 
 
 def test_llamacpp_records_its_build(replay: ReplayServer, client: ProbeClient) -> None:
-    replay.file("/props", "llamacpp_props.json")
-    replay.file("/slots", "llamacpp_slots.json")
-    replay.file("/v1/models", "llamacpp_models.json")
+    replay.file("/props", "llamacpp/11434.0.0-auto.props.json")
+    replay.file("/slots", "llamacpp/11434.0.0-auto.slots.json")
+    replay.file("/v1/models", "llamacpp/11434.0.0-auto.models.json")
     facts = detect(replay.url, client).facts(client)
-    assert facts.extra["version"].value == "b6500-abcdef0"
+    assert facts.extra["version"].value == "b0-unknown"  # the PyPI build states no release
     assert facts.extra["version"].source == "GET /props build_info"
 
 

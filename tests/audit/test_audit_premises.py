@@ -138,11 +138,13 @@ def test_sglang_without_a_stated_role_stays_skipped(replay: ReplayServer) -> Non
 def test_llamacpp_cache_prompt_off_is_not_a_premise(
     replay: ReplayServer, client: ProbeClient
 ) -> None:
-    props = json.loads((FIXTURES / "llamacpp_props.json").read_text())
+    props = json.loads((FIXTURES / "llamacpp/11434.0.0-auto.props.json").read_text())
     props["default_generation_settings"]["params"]["cache_prompt"] = False  # --no-cache-prompt
     replay.json("/props", props)
-    replay.json("/v1/models", json.loads((FIXTURES / "llamacpp_models.json").read_text()))
-    replay.json("/slots", json.loads((FIXTURES / "llamacpp_slots.json").read_text()))
+    replay.json(
+        "/v1/models", json.loads((FIXTURES / "llamacpp/11434.0.0-auto.models.json").read_text())
+    )
+    replay.json("/slots", json.loads((FIXTURES / "llamacpp/11434.0.0-auto.slots.json").read_text()))
     facts = LlamacppTarget(replay.url).facts(client)
     # Each request's own cache_prompt overrides the server default: any tenant turns reuse on.
     assert facts.prefix_caching.value is True
@@ -155,11 +157,13 @@ def test_llamacpp_cache_prompt_off_is_not_a_premise(
 
 
 def _llamacpp(replay: ReplayServer, slots: int) -> None:
-    props = json.loads((FIXTURES / "llamacpp_props.json").read_text())
+    props = json.loads((FIXTURES / "llamacpp/11434.0.0-auto.props.json").read_text())
     props["total_slots"] = slots
     replay.json("/props", props)
-    replay.json("/v1/models", json.loads((FIXTURES / "llamacpp_models.json").read_text()))
-    slot_list = json.loads((FIXTURES / "llamacpp_slots.json").read_text())
+    replay.json(
+        "/v1/models", json.loads((FIXTURES / "llamacpp/11434.0.0-auto.models.json").read_text())
+    )
+    slot_list = json.loads((FIXTURES / "llamacpp/11434.0.0-auto.slots.json").read_text())
     replay.json("/slots", slot_list[:slots])
 
 

