@@ -63,9 +63,20 @@ def _explain(res: CheckResult, fleet: VllmPdFleet) -> str:
     return "\n".join(lines)
 
 
-def test_decode_serves_b_from_a_reference_and_the_router_holds(vllm_pd: VllmPdFleet) -> None:
+@pytest.fixture(scope="module")
+def probed(vllm_pd: VllmPdFleet) -> tuple[CheckResult, str]:
+    """One run of the check on the fleet, read by the tests below: (result, its explanation).
+
+    The poisoning step runs in the same probe, right after decode took B's foreign reference,
+    so one run shows both the hole and what it leaves in the prefix cache."""
     res = _run(vllm_pd.url)
-    why = _explain(res, vllm_pd)
+    return res, _explain(res, vllm_pd)
+
+
+def test_decode_serves_b_from_a_reference_and_the_router_holds(
+    vllm_pd: VllmPdFleet, probed: tuple[CheckResult, str]
+) -> None:
+    res, why = probed
     assert res.verdict is Verdict.FAIL, why
     live = _outcomes(res, "live")
     # The decode server the router lists: B's prompt answered, 200, from KV that is not B's.
@@ -85,10 +96,9 @@ def test_decode_serves_b_from_a_reference_and_the_router_holds(vllm_pd: VllmPdFl
 
 
 def test_a_poisoned_prefix_reaches_honest_requests_through_the_router(
-    vllm_pd: VllmPdFleet,
+    probed: tuple[CheckResult, str],
 ) -> None:
-    res = _run(vllm_pd.url, seed=7)
-    why = _explain(res, vllm_pd)
+    res, why = probed
     poisoned = _outcomes(res, "poisoned")
     assert poisoned, why
     # No reference in these requests: the foreign KV came out of decode's prefix cache.
