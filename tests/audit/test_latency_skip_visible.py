@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kvfence.audit.base import Verdict
 from kvfence.audit.checks.latency.analysis import LatencyConfig, LatencySample, analyse
+from kvfence.audit.checks.latency.pilot import Pace, planned_probes
 from kvfence.audit.checks.latency.resweep import closer_neighbour, repeats_for_noise
 
 CFG = LatencyConfig(alpha=1e-3 / 3 / 2)  # the runbook's share, per sweep
@@ -93,3 +96,84 @@ def test_a_flat_then_steep_cost_moves_the_neighbour_and_a_skip_does_not() -> Non
     assert closer_neighbour(lengths, steep) == [16, 51, 161, 767, 1023]
     skipped = _costs({16: 0.39, 51: 0.39, 161: 0.40, 511: 0.44, 1023: 0.40})
     assert closer_neighbour(lengths, skipped) == lengths
+
+
+# A shape seen on the vLLM P/D fleet under load: flat to half the limit, then steep (16
+# and 511 tokens alike, 1,023 three times as much), with the neighbour at 3/4 of the limit
+# (its pool holds the longest prompt). Seeds: ones whose skipped sweep passed before the long prompts' own
+# times were asked for, and others.
+FLEET_COST = {16: 0.39, 58: 0.39, 211: 0.40, 767: 0.80, 1023: 1.16}
+LINEAR_COST = {16: 0.10, 51: 0.15, 161: 0.25, 511: 0.45, 1023: 0.80}
+
+
+def _planned(
+    costs: dict[int, float], seed: int, spread: float, skip: bool, repeats: int
+) -> list[LatencySample]:
+    """A sweep as the live check plans it (`planned_probes`), long-tailed delays."""
+    rng = random.Random(seed)
+    lengths = sorted(costs)
+    out = []
+    for n, k in planned_probes(lengths, repeats).items():
+        paid = costs[lengths[0]] if skip and n == lengths[-1] else costs[n]
+        out += [LatencySample(n, paid + rng.expovariate(1 / spread)) for _ in range(k)]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("costs", "seeds"),
+    [(LINEAR_COST, (11, 149, 159, 163, *range(20))), (FLEET_COST, (150, 159, *range(20)))],
+    ids=["linear", "fleet"],
+)
+def test_a_skip_whose_own_draw_came_in_slow_never_passes(
+    costs: dict[int, float], seeds: tuple[int, ...]
+) -> None:
+    """Where a skipped sweep's short prompts came in quick and its long ones slow, the skip
+    test vouches and the test does not fail; the long prompts' own times, alike the short
+    prompts', keep it from passing."""
+    repeats = CFG.sweep_repeats(CFG.alpha or 0.0)
+    verdicts = [analyse(_planned(costs, s, 0.3, True, repeats), CFG) for s in seeds]
+    assert not [r.summary for r in verdicts if r.verdict is Verdict.PASS]
+    vouched = [
+        r for r in verdicts if r.verdict is Verdict.INCONCLUSIVE and "own times" in r.summary
+    ]
+    assert vouched, "the seeds chosen no longer reach the long prompts' own test"
+
+
+def test_sweeps_are_sized_to_vouch_through_a_few_slowed_probes() -> None:
+    """At the exact test's own size a third of the sweeps whose probes are slowed by load
+    now and then (exponential delays of mean 0.2 s) cannot pass; at `sweep_repeats` every fresh sweep of that noise passes,
+    and a skip of that noise fails or stays undecided, never passes."""
+    level = CFG.alpha or 0.0
+    small, sized = CFG.repeats_for(level), CFG.sweep_repeats(level)
+    assert sized > small
+    passed, failed = {}, {}
+    for repeats in (small, sized):
+        honest = [analyse(_planned(FLEET_COST, s, 0.2, False, repeats), CFG) for s in range(20)]
+        skipped = [analyse(_planned(FLEET_COST, s, 0.2, True, repeats), CFG) for s in range(20)]
+        assert all(r.verdict is not Verdict.FAIL for r in honest)
+        assert all(r.verdict is not Verdict.PASS for r in skipped)
+        passed[repeats] = sum(r.verdict is Verdict.PASS for r in honest)
+        failed[repeats] = sum(r.verdict is Verdict.FAIL for r in skipped)
+    assert passed[small] <= 16 and passed[sized] == 20, passed
+    assert failed[sized] >= 16, failed
+
+
+def test_the_neighbour_moves_up_only_where_the_pool_holds_the_longest_prompt() -> None:
+    cfg = LatencyConfig()
+    assert cfg.sweep(1023)[-2:] == [511, 1023]  # pool unknown: half
+    assert cfg.sweep(1023, pool_tokens=2048)[-2:] == [767, 1023]  # the vLLM P/D fleet
+    # The incident's shape: a reject path past the 2,688-token pool would skip a 3,071-token
+    # neighbour too; the neighbour stays inside the pool.
+    assert cfg.sweep(4095, pool_tokens=2688)[-2:] == [2047, 4095]
+
+
+def test_the_warm_up_prices_a_sweep_without_under_counting_the_lengths_between() -> None:
+    pace = Pace(
+        tuple(LatencySample(n, s) for n, s in ((16, 0.4), (16, 0.5), (767, 0.8), (1023, 1.2))),
+        failed=0,
+    )
+    planned = planned_probes([16, 58, 211, 767, 1023], 30)
+    assert planned == {16: 30, 58: 10, 211: 10, 767: 30, 1023: 30}
+    # 58 and 211 tokens are priced at the next length timed above them (767 tokens).
+    assert pace.sweep_s(planned) == pytest.approx(30 * 0.45 + 20 * 0.8 + 30 * 0.8 + 30 * 1.2)
+    assert Pace((), failed=3).sweep_s(planned) is None

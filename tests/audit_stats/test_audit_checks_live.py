@@ -265,7 +265,7 @@ def test_audit_alpha_sizes_the_sweep_and_is_reported(incident: Server, tmp_path:
     assert res["verdict"] == "fail" and res["alpha"] == 1e-6 and res["p_value"] < 1e-6
     # Each of the check's up to `sweeps` sweeps is tested at alpha / sweeps (Bonferroni).
     per_sweep = 1e-6 / LatencyConfig().sweeps
-    assert res["evidence"]["sweep"]["repeats"] == LatencyConfig().repeats_for(per_sweep) > 8
+    assert res["evidence"]["sweep"]["repeats"] == LatencyConfig().sweep_repeats(per_sweep) > 8
     assert report["settings"]["alpha"] == 1e-6
     # Every probe of the sweep was sent: the lengths only the cost fit reads take fewer repeats.
     assert res["requests_sent"] >= sum(res["evidence"]["sweep"]["repeats_per_length"].values())

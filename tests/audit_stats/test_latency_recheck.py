@@ -11,6 +11,7 @@ import pytest
 from kvfence.audit.base import Verdict
 from kvfence.audit.checks.latency import check as latency
 from kvfence.audit.checks.latency.check import LatencyAnalysis, LatencyConfig, Sweep
+from kvfence.audit.contract import AuditContext
 
 
 def _run(monkeypatch: pytest.MonkeyPatch, outcomes: list[tuple[Verdict, float | None]]) -> Any:
@@ -24,7 +25,8 @@ def _run(monkeypatch: pytest.MonkeyPatch, outcomes: list[tuple[Verdict, float | 
     results = iter(LatencyAnalysis(v, f"sweep {i}", p_value=p) for i, (v, p) in enumerate(outcomes))
     monkeypatch.setattr(latency, "analyse", lambda samples, cfg: next(results))
     cfg = LatencyConfig(alpha=1e-4, sweeps=2)
-    _, result, earlier = latency._decisive_sweep(None, None, cfg, [16, 511], 3)  # type: ignore[arg-type]
+    ctx = AuditContext()
+    _, result, earlier = latency._decisive_sweep(ctx, None, cfg, [16, 511], 3)  # type: ignore[arg-type]
     return len(calls), result, earlier
 
 

@@ -33,15 +33,25 @@ over-predict the long prompts and page someone for nothing.
    the same exact test, run on this sweep with the long probes' times
    replaced by the short probes' (a total skip), fails at alpha
    (`skip_test`), with a margin: this sweep, with its sizes and its noise,
-   would have seen a skip. A bar on single probes' spread (the extra cost against k times
+   would have seen a skip, and a placeholder that costs less than the
+   neighbours by much of their extra cost. A bar on single probes' spread (the extra cost against k times
    the short bucket's σ) asks the wrong question both ways: under load it
    refuses sweeps whose buckets separate plainly, and with a long-tailed
    noise it vouches for sweeps that would pass a skip. FAIL ⊂ {p < alpha},
    so the false-alarm rate is ≤ alpha.
    INCONCLUSIVE when the physics is not measurable, or when even the most
    extreme outcome (every long probe fast, no neighbour) could not reach
-   alpha — the summary says how many probes would. PASS otherwise. Every
-   verdict carries the p-value, the alpha and the requests it took.
+   alpha — the summary says how many probes would. PASS when, besides, the
+   long prompts' own times are told apart from the short prompts' at alpha x
+   ``skip_margin`` (`paid_test`), else INCONCLUSIVE: skipped, the long
+   prompts are drawn like the short ones, so a total skip passes with about
+   that chance at most, whatever the noise (the skip test answers with the
+   short prompts' draw, and a skip's own draw can land among the neighbours
+   where theirs did not). The skip test's margin stays: it is what sees a
+   placeholder that costs something of its own (the incident's reject path
+   reads its 4,095 tokens; with the skip test at alpha alone it passed at
+   --alpha 1e-6 under load). Every verdict carries the p-value, the alpha
+   and the requests it took.
 
 The Theil–Sen fit over the shorter probes is drawn in the plot and reported;
 it decides nothing but the strict physics.
@@ -56,6 +66,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvfence.audit.base import DEFAULT_ALPHA, JSONValue, Plot, PlotSeries, Verdict
+from kvfence.audit.checks.latency.config import LatencyConfig
 from kvfence.audit.checks.latency.exact import (
     Buckets,
     Floor,
@@ -66,7 +77,7 @@ from kvfence.audit.checks.latency.exact import (
     design_p_value,
     exact_test,
 )
-from kvfence.audit.checks.latency.skip import skip_test
+from kvfence.audit.checks.latency.skip import paid_test, skip_test
 from kvfence.audit.stats import (
     ExcessTest,
     LinearFit,
@@ -74,84 +85,6 @@ from kvfence.audit.stats import (
     robust_line,
     robust_sigma,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class LatencyConfig:
-    """Thresholds of the analysis and the live sweep's shape.
-
-    ``skipped_fraction`` (f) places the "fast" floor; ``skip_margin``: how far below alpha
-    the sweep must put a skip to vouch for a pass (`skip_test`); ``material_fraction`` how
-    far below its neighbours the long bucket must be for the median labelling to count
-    (module docstring). ``alpha``: the test's level; None takes the audit's share of
-    its family-wise ``--alpha`` (`AuditContext.alpha_for`). ``repeats``: probes
-    per length; None sizes them so the design reaches alpha with ``slack``
-    probes to spare (`repeats_for`). ``lengths`` overrides the sweep (else
-    geometric from ``min_tokens`` to the longest accepted prompt, ``points``
-    lengths). ``long_quantile`` is reported, not judged. The live check runs up to
-    ``sweeps`` fresh sweeps, each tested alone at alpha / ``sweeps`` (Bonferroni: the
-    false-alarm rate stays <= alpha), the next only when one was ambiguous: inconclusive,
-    or a pass with p < ``recheck_below`` (a leak blurred by the machine's load).
-    """
-
-    skipped_fraction: float = 0.5
-    skip_margin: float = 1e-4
-    material_fraction: float = 0.25
-    alpha: float | None = None
-    long_quantile: float = 5.0
-    repeats: int | None = None
-    slack: int = 4
-    max_repeats: int = 64
-    points: int = 5
-    min_tokens: int = 16
-    max_tokens_cap: int | None = None
-    lengths: tuple[int, ...] | None = None
-    min_samples: int = 8
-    noise_floor_s: float = 1e-4
-    warmup: int = 1
-    max_error_fraction: float = 0.2
-    token_range: tuple[int, int] = (100, 500)
-    strict_physics: bool = False
-    sweeps: int = 2
-    recheck_below: float = 0.5
-
-    def __post_init__(self) -> None:
-        if not 0 < self.skipped_fraction <= 1 or not 0 < self.skip_margin <= 1:
-            raise ValueError("need 0 < skipped_fraction <= 1 and 0 < skip_margin <= 1")
-        if not 0 < self.long_quantile < 50:
-            raise ValueError("long_quantile must be in (0, 50)")
-        if self.alpha is not None and not 0 < self.alpha < 1:
-            raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
-        if (self.repeats is not None and self.repeats < 1) or self.points < 3:
-            raise ValueError("need repeats >= 1 and points >= 3")
-        if self.sweeps < 1 or not 0 < self.recheck_below <= 1:
-            raise ValueError("need sweeps >= 1 and 0 < recheck_below <= 1")
-        if self.min_tokens < 1 or self.slack < 0 or self.max_repeats < 1:
-            raise ValueError("need min_tokens >= 1, slack >= 0 and max_repeats >= 1")
-
-    def sweep(self, longest_accepted: int) -> list[int]:
-        """The prompt lengths to probe, ending at the longest accepted prompt."""
-        if self.lengths is not None:
-            return sorted(set(self.lengths))
-        top = longest_accepted
-        if self.max_tokens_cap is not None:
-            top = min(top, self.max_tokens_cap)
-        if top <= self.min_tokens:
-            return [top]
-        # Geometric up to half the longest, then the longest: the test compares the long
-        # prompts with their neighbour, and a neighbour at half the length pays a large
-        # share of the long prompt's cost, so a skip opens the widest gap it can.
-        grid = np.geomspace(self.min_tokens, max(self.min_tokens, top // 2), self.points - 1)
-        return sorted({round(float(v)) for v in grid} | {top})
-
-    def repeats_for(self, alpha: float) -> int:
-        """Probes per length: as configured, or the fewest whose design reaches alpha."""
-        if self.repeats is not None:
-            return self.repeats
-        for r in range(1, self.max_repeats + 1):  # x 2: the two tests' Bonferroni split
-            if 2 * design_p_value(r, r, self.slack) < alpha:
-                return r
-        return self.max_repeats
 
 
 @dataclass(slots=True)
@@ -203,20 +136,30 @@ def analyse(
     return result
 
 
-def _measurable(
-    fit: LinearFit, floor: Floor, cfg: LatencyConfig, skip: Test | None, alpha: float
-) -> bool:
+def _measurable(fit: LinearFit, cfg: LatencyConfig, skip: Test | None, alpha: float) -> bool:
     """A skipped prefill would be visible: this very sweep would have failed a skip
-    (`skip_test`), and the cost grows with the length."""
+    (`skip_test`) with a margin, and the cost grows with the length."""
     slope = fit.slope_low if cfg.strict_physics else fit.slope  # the guard: the lower bound
-    if slope <= 0:
-        return False
-    if skip is None:
+    if slope <= 0 or skip is None:
         return False
     # At a strict alpha even buckets that do not overlap at all cannot reach alpha x margin:
     # a skip, drawn like the short prompts, then lands under every neighbour all the same.
     apart = skip.excess.ref_fast == 0 and skip.excess.long_fast == skip.excess.long_total
     return skip.p_value < alpha and (skip.p_value < alpha * cfg.skip_margin or apart)
+
+
+def _paid(b: Buckets, cfg: LatencyConfig, alpha: float, evidence: dict[str, JSONValue]) -> bool:
+    """The long prompts' own times separate from the short prompts' at alpha x
+    ``skip_margin`` (`paid_test`): a pass needs it, a fail does not (a skip makes them
+    alike)."""
+    paid = paid_test(b, cfg.skipped_fraction, cfg.material_fraction, cfg.noise_floor_s)
+    evidence["paid_p_value"] = None if paid is None else paid.p_value
+    if paid is None:
+        return False
+    # At a strict alpha even buckets that do not overlap at all cannot reach the bar; two
+    # draws of one distribution (a skip) come apart that completely only by 1 / C(2n, n).
+    apart = paid.excess.ref_fast == 0 and paid.excess.long_fast == paid.excess.long_total
+    return paid.p_value < alpha * cfg.skip_margin or (paid.p_value < alpha and apart)
 
 
 def _judge(
@@ -229,17 +172,12 @@ def _judge(
     evidence: dict[str, JSONValue],
 ) -> LatencyAnalysis:
     excess = test.excess
-    long_len = float(np.median([s.prompt_tokens for s in b.long]))
-    mid_len = float(np.median([s.prompt_tokens for s in b.neighbour]))
+    counts = _counts(b, test)
     n = excess.long_total + excess.ref_total
-    counts = (
-        f"{excess.long_fast} of {excess.long_total} long ({long_len:.0f}-token) probes under "
-        f"the {test.name} {test.threshold * 1e3:.2f} ms vs {excess.ref_fast} of {excess.ref_total} "
-        f"{mid_len:.0f}-token ones"
-    )
     stat = f"p = {test.p_value:.2g}, alpha {alpha:.2g}, {n} requests compared"
     skip = skip_test(b, cfg.skipped_fraction, cfg.material_fraction, cfg.noise_floor_s)
     evidence["skip_visible_p_value"] = None if skip is None else skip.p_value
+    bar = alpha * cfg.skip_margin
     if test.min_p_value >= alpha:  # no outcome of this design could fail: say what would
         need = _probes_needed(excess, alpha, cfg.slack)
         verdict, summary = (
@@ -249,23 +187,47 @@ def _judge(
                 f"p = {test.min_p_value:.2g}; {need}; {counts}"
             ),
         )
-    elif not _measurable(fit, floor, cfg, skip, alpha):
-        shown = "no test" if skip is None else f"p = {skip.p_value:.2g}"
+    elif not _measurable(fit, cfg, skip, alpha):
         verdict, summary = (
             Verdict.INCONCLUSIVE,
-            (
-                f"prefill cost not measurable above noise: the costlier prompts pay only "
-                f"{floor.increment * 1e3:.3f} ms over {floor.short_median * 1e3:.2f} ms "
-                f"(noise σ {floor.sigma * 1e3:.3f} ms), so this sweep would not have failed a "
-                f"skipped prefill (short prompts' times as the long ones': {shown}, need "
-                f"< {alpha * cfg.skip_margin:.2g}); {counts} ({stat})"
-            ),
+            f"{_unmeasurable(floor, skip, bar)}; {counts} ({stat})",
         )
     elif test.p_value < alpha:
         verdict, summary = Verdict.FAIL, f"long prompts answered too fast: {counts} ({stat})"
+    elif not _paid(b, cfg, alpha, evidence):
+        paid = evidence["paid_p_value"]
+        shown = "no test" if paid is None else f"p = {paid:.2g}"
+        verdict, summary = (
+            Verdict.INCONCLUSIVE,
+            (
+                f"the long prompts' own times are not told apart from the short prompts' "
+                f"({shown}, need < {bar:.2g}): neither a prefill nor a skip; {counts} ({stat})"
+            ),
+        )
     else:
         verdict, summary = Verdict.PASS, f"long prompts pay their prefill: {counts} ({stat})"
     return LatencyAnalysis(verdict, summary, evidence, p_value=test.p_value, alpha=alpha)
+
+
+def _counts(b: Buckets, test: Test) -> str:
+    excess = test.excess
+    long_len = float(np.median([s.prompt_tokens for s in b.long]))
+    mid_len = float(np.median([s.prompt_tokens for s in b.neighbour]))
+    return (
+        f"{excess.long_fast} of {excess.long_total} long ({long_len:.0f}-token) probes under "
+        f"the {test.name} {test.threshold * 1e3:.2f} ms vs {excess.ref_fast} of {excess.ref_total} "
+        f"{mid_len:.0f}-token ones"
+    )
+
+
+def _unmeasurable(floor: Floor, skip: Test | None, bar: float) -> str:
+    shown = "no test" if skip is None else f"p = {skip.p_value:.2g}"
+    return (
+        f"prefill cost not measurable above noise: the costlier prompts pay only "
+        f"{floor.increment * 1e3:.3f} ms over {floor.short_median * 1e3:.2f} ms "
+        f"(noise σ {floor.sigma * 1e3:.3f} ms), so this sweep would not have failed a "
+        f"skipped prefill (short prompts' times as the long ones': {shown}, need < {bar:.2g})"
+    )
 
 
 def _probes_needed(excess: ExcessTest, alpha: float, slack: int) -> str:

@@ -5,10 +5,12 @@ answered in the time a short one takes was not prefilled: the engine reused
 someone's KV (a cross-tenant cache hit) or replaced the prompt with a
 placeholder (the Workers AI reject path). The check
 
-1. times fresh random prompts (TTFT of a streaming ``max_tokens=1``
-   completion) over a sweep of lengths up to the longest accepted prompt,
-   several repeats each; every prompt is new random token ids, so no probe
-   can legitimately hit any cache;
+1. times a short warm-up at the lengths it compares (`pilot`: where the
+   cost jumps, and what the sweep will cost: one the audit's time cannot pay
+   is refused before it starts), then fresh random prompts (TTFT of a
+   streaming ``max_tokens=1`` completion) over a sweep of lengths up to the
+   longest accepted prompt, several repeats each; every prompt is new random
+   token ids, so no probe can legitimately hit any cache;
 2. labels each probe "fast" when it finished under a floor a skip would put
    it below, and tests whether the long probes are fast more often than their
    neighbours interleaved with them (one-sided exact p-value; `analysis`);
@@ -17,8 +19,9 @@ placeholder (the Workers AI reject path). The check
    bucket);
 4. is inconclusive when it is not measurable ("too fast" cannot be told from
    "fast"), when too few probes answered, or when the design could not reach
-   alpha — the number of probes per length grows with −log alpha
-   (`LatencyConfig.repeats_for`), so the runbook's sweep always can.
+   alpha — the number of probes per length grows with −log alpha until a
+   sweep can vouch for a pass with a few probes slowed by load
+   (`LatencyConfig.sweep_repeats`), so the runbook's sweep always can.
 
 The analysis and its hypothesis test live in `analysis` (H0 "the
 long prompts were prefilled", an exact one-sided p-value); request logs in
@@ -33,7 +36,7 @@ import random
 import time
 from dataclasses import dataclass, field, replace
 
-from kvfence.audit.base import CheckResult, JSONValue, Verdict
+from kvfence.audit.base import CheckResult, Fact, JSONValue, Verdict
 from kvfence.audit.checks.latency.analysis import (
     LatencyAnalysis,
     LatencyConfig,
@@ -42,6 +45,7 @@ from kvfence.audit.checks.latency.analysis import (
     design_p_value,
 )
 from kvfence.audit.checks.latency.log import analyse_log, latency_command, parse_log_lines
+from kvfence.audit.checks.latency.pilot import Pace, planned_probes, time_warm_up
 from kvfence.audit.checks.latency.resweep import (
     POWER_FACTOR,
     closer_neighbour,
@@ -95,16 +99,37 @@ class LatencyCheck(Check):
         level = alpha / self.config.sweeps  # each sweep is tested alone at its share
         ids = within_vocabulary(self.config.token_range, facts.vocab_size)
         cfg = replace(self.config, alpha=level, token_range=ids)
-        lengths = cfg.sweep(limit)
-        repeats = cfg.repeats_for(level)
+        lengths = cfg.sweep(limit, facts.pool_tokens.as_int())
+        repeats = cfg.sweep_repeats(level)
+        pace = time_warm_up(ctx, client, lengths, cfg.pilot, cfg.warmup, ids)
+        lengths = closer_neighbour(lengths, list(pace.samples))
+        need_s = pace.sweep_s(planned_probes(lengths, repeats))
+        if need_s is not None and need_s > ctx.budget.remaining_s:
+            return self._unaffordable(target, lengths, repeats, pace, need_s, ctx, limit_fact)
         sweep, result, earlier = _decisive_sweep(ctx, client, cfg, lengths, repeats)
         evidence = result.evidence
-        repeats = sweep.repeats or repeats  # a sweep after a noisy one may have grown
-        lengths = sorted(sweep.planned) or lengths  # ... or moved its neighbour
-        evidence["sweep"] = {**sweep.to_json(lengths, repeats), "limit": limit_fact.to_json()}
-        evidence["earlier_sweeps"] = earlier  # ambiguous ones, each replaced by a fresh sweep
+        evidence["warm_up"] = pace.to_json()
         evidence["token_ids"] = {"range": list(ids), "vocab_size": facts.vocab_size.to_json()}
         evidence["alpha_per_sweep"] = level
+        out = self._report(target, cfg, sweep, result, earlier)
+        evidence["sweep"]["limit"] = limit_fact.to_json()
+        out.alpha = alpha
+        return out
+
+    def _report(
+        self,
+        target: Target,
+        cfg: LatencyConfig,
+        sweep: Sweep,
+        result: LatencyAnalysis,
+        earlier: list[dict[str, JSONValue]],
+    ) -> CheckResult:
+        """The deciding sweep's result, with its shape, the sweeps it replaced and its
+        failed probes on record."""
+        evidence = result.evidence
+        repeats, lengths = sweep.repeats, sorted(sweep.planned)
+        evidence["sweep"] = sweep.to_json(lengths, repeats)
+        evidence["earlier_sweeps"] = earlier  # ambiguous ones, each replaced by a fresh sweep
         evidence["design_p_value"] = 2 * design_p_value(repeats, repeats, cfg.slack)
         evidence.update(sweep.failures_json())
         verdict, summary = result.verdict, result.summary
@@ -117,8 +142,42 @@ class LatencyCheck(Check):
         out = self.result(target, verdict, summary, evidence, plots)
         # Bonferroni-adjusted over the sweeps the design allows: comparable with the check's alpha.
         p = result.p_value
-        out.p_value, out.alpha = (None if p is None else min(1.0, p * cfg.sweeps)), alpha
+        out.p_value = None if p is None else min(1.0, p * cfg.sweeps)
         return out
+
+    def _unaffordable(
+        self,
+        target: Target,
+        lengths: list[int],
+        repeats: int,
+        pace: Pace,
+        need_s: float,
+        ctx: AuditContext,
+        limit: Fact,
+    ) -> CheckResult:
+        """Inconclusive before the sweep: at the pace the warm-up measured it would outlast
+        the audit's time, and a sweep cut short decides nothing."""
+        planned = planned_probes(lengths, repeats)
+        left = ctx.budget.remaining_s
+        shown = ", ".join(f"{n} tokens {s:.2f} s" for n, s in pace.median_s().items())
+        return self.result(
+            target,
+            Verdict.INCONCLUSIVE,
+            f"no time for a sweep: {sum(planned.values())} probes ({repeats} per compared "
+            f"length) need about {need_s:.0f} s at the pace the warm-up measured ({shown}), "
+            f"and the audit has {left:.0f} s left (raise --max-seconds)",
+            {
+                "sweep": {
+                    "lengths": list(lengths),
+                    "repeats": repeats,
+                    "repeats_per_length": {str(n): k for n, k in planned.items()},
+                    "limit": limit.to_json(),
+                },
+                "warm_up": pace.to_json(),
+                "needed_s": round(need_s, 1),
+                "budget_left_s": round(left, 1),
+            },
+        )
 
 
 def _failed_probes(
@@ -169,6 +228,16 @@ def _decisive_sweep(
                 wanted = repeats_for_noise(sweep.samples, cfg, repeats)
             entry["next_repeats"] = {"wanted": wanted, "fit_the_budget": fits}
             repeats = max(repeats, min(wanted, fits))
+        next_s = took * sum(planned_probes(lengths, repeats).values()) / max(1, sweep.probes)
+        if next_s > ctx.budget.remaining_s:
+            # A fresh sweep cut short by the budget would decide nothing and hide this one.
+            left = ctx.budget.remaining_s
+            result.summary += (
+                f"; no time for a fresh sweep (about {next_s:.0f} s at this one's pace, "
+                f"{left:.0f} s left in the audit's budget)"
+            )
+            result.evidence["next_sweep"] = {"needed_s": round(next_s, 1), "left_s": round(left)}
+            return sweep, result, earlier
         earlier.append(entry)
 
 
@@ -188,6 +257,10 @@ class Sweep:
     errors: list[dict[str, JSONValue]] = field(default_factory=list)
     mismatched: list[dict[str, JSONValue]] = field(default_factory=list)
 
+    @property
+    def probes(self) -> int:
+        return sum(self.planned.values())
+
     def to_json(self, lengths: list[int], repeats: int) -> dict[str, JSONValue]:
         per_length = {str(n): k for n, k in sorted(self.planned.items())}
         return {"lengths": list(lengths), "repeats": repeats, "repeats_per_length": per_length}
@@ -203,19 +276,15 @@ class Sweep:
 def _sweep(
     ctx: AuditContext, client: ProbeClient, cfg: LatencyConfig, lengths: list[int], repeats: int
 ) -> Sweep:
-    """Time ``repeats`` fresh prompts of the lengths the test compares (the shortest, the
-    neighbour, the longest) and a third as many (at least 3) of the lengths between, which
-    only feed the cost fit; interleaved (drift hits all lengths)."""
+    """Time fresh prompts, `planned_probes` of each length, interleaved (drift hits all
+    lengths)."""
     rng = random.Random(ctx.rng.random())
     lo, hi = cfg.token_range
-    compared = {lengths[0], *lengths[-2:]}
-    planned = {n: repeats if n in compared else max(3, -(-repeats // 3)) for n in lengths}
+    planned = planned_probes(lengths, repeats)
     plan = [n for n in lengths for _ in range(planned[n])]
     # Interleaved: drift cannot masquerade as a slope, and load hits long and reference
     # probes alike (the exchangeability the test's H0 rests on).
     rng.shuffle(plan)
-    for _ in range(cfg.warmup):  # the first request pays one-off start-up costs
-        client.ttft([rng.randrange(lo, hi) for _ in range(min(lengths))])
     out = Sweep(repeats=repeats, planned=planned)
     for i, n in enumerate(plan):
         r = client.ttft([rng.randrange(lo, hi) for _ in range(n)])

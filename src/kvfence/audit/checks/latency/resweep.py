@@ -9,7 +9,7 @@ import math
 from kvfence.audit.base import Verdict
 from kvfence.audit.checks.latency.analysis import LatencyAnalysis, LatencyConfig, LatencySample
 from kvfence.audit.checks.latency.exact import buckets, median_of
-from kvfence.audit.checks.latency.skip import skip_test
+from kvfence.audit.checks.latency.skip import paid_test, skip_test
 
 # More repeats than the noise extrapolates to, for most fresh sweeps (not half) to get there.
 POWER_FACTOR = 1.5
@@ -46,35 +46,45 @@ def closer_neighbour(lengths: list[int], samples: list[LatencySample]) -> list[i
 
 
 def noise_hid_a_skip(result: LatencyAnalysis, cfg: LatencyConfig) -> bool:
-    """The sweep could not have failed a skip: its noise, at its sizes, hid one."""
-    p = result.evidence.get("skip_visible_p_value")
+    """The sweep was undecided because its noise, at its sizes, hid what a pass needs: a skip
+    it could have failed (`skip_test`) or the long prompts' own cost (`paid_test`), each at
+    alpha x margin."""
     level = (cfg.alpha if cfg.alpha is not None else 0.0) * cfg.skip_margin
-    return result.verdict is Verdict.INCONCLUSIVE and isinstance(p, float) and p >= level
+    skip = result.evidence.get("skip_visible_p_value")
+    paid = result.evidence.get("paid_p_value")
+    return result.verdict is Verdict.INCONCLUSIVE and any(
+        isinstance(p, float) and p >= level for p in (skip, paid)
+    )
 
 
 def repeats_for_noise(samples: list[LatencySample], cfg: LatencyConfig, repeats: int) -> int:
-    """Repeats per length for a sweep with this sweep's noise to vouch for a pass: at most
+    """Repeats per length for a sweep with this sweep's noise to pass: at most
     ``cfg.max_repeats``, at least `repeats`.
 
-    For a fixed separation between short and neighbour times the skip test's p-value falls
-    exponentially with the probes per bucket (a hypergeometric tail), so the sweep's own
-    skip p-value at `repeats` extrapolates, log-linearly, to the repeats that reach the
-    level (`skip_test`'s alpha x margin). That is where a fresh sweep reaches it about half
-    the time; `POWER_FACTOR` more gets most of them there (seeded sweeps: 1.0 decided 7 of
-    20, 1.5 most). Resampling the sweep instead flatters it: its values repeat and its tail
-    is cut."""
+    For a fixed separation between two buckets an exact test's p-value falls exponentially
+    with the probes per bucket (a hypergeometric tail), so each of the two tests a pass
+    needs (`skip_test` and `paid_test`, at alpha x margin) extrapolates, log-linearly
+    from its p-value here, to the repeats that reach its level; the larger of the two is
+    where a fresh sweep reaches both about half the time, and `POWER_FACTOR` more gets most
+    of them there (seeded sweeps: 1.0 decided 7 of 20, 1.5 most). Resampling the sweep
+    instead flatters it: its values repeat and its tail is cut."""
     b = buckets(samples)
-    if not b.short or not b.neighbour or not b.long:
+    alpha = cfg.alpha if cfg.alpha is not None else 0.0
+    if not b.short or not b.neighbour or not b.long or alpha <= 0:
         return repeats
-    skip = skip_test(b, cfg.skipped_fraction, cfg.material_fraction, cfg.noise_floor_s)
-    level = (cfg.alpha if cfg.alpha is not None else 0.0) * cfg.skip_margin
-    if skip is None or level <= 0:
-        return repeats
-    if skip.p_value >= 1.0:
-        return cfg.max_repeats  # no separation at all: only the most the check allows
-    per_length = min(len(b.short), len(b.neighbour))
-    wanted = per_length * math.log(level) / math.log(skip.p_value) * POWER_FACTOR
-    return max(repeats, min(cfg.max_repeats, math.ceil(wanted)))
+    args = (cfg.skipped_fraction, cfg.material_fraction, cfg.noise_floor_s)
+    level = alpha * cfg.skip_margin
+    tests = ((skip_test(b, *args), level), (paid_test(b, *args), level))
+    per_length = min(len(b.short), len(b.neighbour), len(b.long))
+    wanted = float(repeats)
+    for test, level in tests:
+        if test is None:
+            continue
+        if test.p_value >= 1.0:
+            return cfg.max_repeats  # no separation at all: only the most the check allows
+        if test.p_value >= level:
+            wanted = max(wanted, per_length * math.log(level) / math.log(test.p_value))
+    return max(repeats, min(cfg.max_repeats, math.ceil(wanted * POWER_FACTOR)))
 
 
 def repeats_that_fit(remaining_s: float, took_s: float, probes: int, lengths: list[int]) -> int:
