@@ -70,30 +70,45 @@ def test_one_engine_as_captured_live(replay: ReplayServer, client: ProbeClient) 
 
 
 def test_data_parallel_engines_are_never_a_pass(replay: ReplayServer, client: ProbeClient) -> None:
+    """Captured live with --data-parallel-size 2 and 64 blocks per engine: both series say
+    num_gpu_blocks=128 (the sum) and kv_cache_size_tokens=8192 (one engine's), differing only
+    in `engine`. Nothing in them names either engine's own pool, so a short engine could hide
+    behind the other's figure: the pool is unknown, never a pass."""
     serve(replay, "0.32.0-dp2.metrics.txt")
+    replay.file("/v1/models", "vllm/0.32.0-dp2.models.json")
     facts = VllmTarget(replay.url).facts(client)
     assert not facts.pool_tokens.known
     assert "sum over engines" in facts.pool_tokens.note
+    assert "num_gpu_blocks=128" in facts.pool_tokens.note
     assert facts.extra["data_parallel_engines"].value == 2
-    # Engine 1 holds 40 × 128 = 5,120 < 2048 × 1.25 — but the minimum of the identical
-    # series (engine 0's 8,192, or the sum 13,312) would have passed.
     res = capacity(replay.url)
     assert res.verdict is Verdict.INCONCLUSIVE
     assert "data-parallel" in res.summary
 
 
 def test_hybrid_model_is_gated_on_kv_cache_size_tokens(replay: ReplayServer) -> None:
-    serve(replay, "0.32.0-hybrid.metrics.txt", max_model_len=16384)
+    """Captured live on a Mamba2 + attention model (vLLM's own sizing of a 1 GiB pool):
+    16,384 blocks x 128 = 2,097,152 tokens, but the group-aware kv_cache_size_tokens is
+    1,342,177. Served with a max_model_len of 1,100,000 the need (1,375,000) lies between
+    the two: blocks x block size would pass, the pool requests can use fails."""
+    serve(replay, "0.32.0-hybrid.metrics.txt", max_model_len=1_100_000)
     res = capacity(replay.url)
-    # 3000 blocks × 16 = 48,000 would pass; the group-aware 18,432 < 16,384 × 1.25 fails.
-    assert res.verdict is Verdict.FAIL
-    assert res.evidence["pool_tokens"]["value"] == 18432
-    assert "48000" in res.evidence["pool_tokens"]["note"]
-    assert capacity(replay.url, headroom=1.1).verdict is Verdict.PASS
+    assert res.verdict is Verdict.FAIL, res.summary
+    assert res.evidence["pool_tokens"]["value"] == 1_342_177
+    assert "2097152" in res.evidence["pool_tokens"]["note"]
+    assert capacity(replay.url, headroom=1.2).verdict is Verdict.PASS  # needs 1,320,000
+
+
+def test_hybrid_model_as_captured_passes_at_its_own_length(replay: ReplayServer) -> None:
+    serve(replay, "0.32.0-hybrid.metrics.txt")
+    replay.file("/v1/models", "vllm/0.32.0-hybrid.models.json")
+    res = capacity(replay.url)
+    assert res.verdict is Verdict.PASS, res.summary
+    assert res.evidence["pool_tokens"]["value"] == 1_342_177
 
 
 def test_hybrid_without_kv_cache_size_tokens_is_unknown(replay: ReplayServer) -> None:
-    serve(replay, "0.32.0-hybrid.metrics.txt", max_model_len=16384)
+    serve(replay, "0.32.0-hybrid.metrics.txt")
     text = (VLLM / "0.32.0-hybrid.metrics.txt").read_text()
     text = re.sub(r'kv_cache_size_tokens="\d+",', "", text)
     replay.routes[("GET", "/metrics")] = Route(200, text, "text/plain")
