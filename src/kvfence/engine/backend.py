@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvfence.engine.counters import Counters
 from kvfence.engine.messages import (
@@ -27,6 +27,9 @@ from kvfence.engine.messages import (
     SamplingParams,
     TokenChunk,
 )
+
+if TYPE_CHECKING:
+    from kvfence.kv.pool import KVPool
 
 Sink = Callable[[TokenChunk | Failure], None]
 
@@ -86,6 +89,20 @@ class PoolInfo:
         total = self.pages_used + self.pages_free + self.pages_pending
         held = self.pages_used - self.pages_cached + self.pages_pending
         return held / total if total else 0.0
+
+    @classmethod
+    def of(cls, role: str, pool: KVPool, cached: int = 0) -> PoolInfo:
+        """A live pool's figures now; `cached`: of its used pages, those only a prefix
+        cache holds."""
+        return cls(
+            role,
+            pool.capacity_tokens,
+            pool.page_size,
+            pool.num_used,
+            pool.num_free,
+            pool.num_pending,
+            cached,
+        )
 
 
 @dataclass(frozen=True, slots=True)

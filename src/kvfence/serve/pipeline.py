@@ -196,8 +196,8 @@ class LocalPipeline:
             aborted=self.rooms.aborted,  # the router role's count: each request once
             prompt_tokens=self.rooms.prompt_tokens,
         )
-        prefill = _pool_info("prefill", self.prefill_pool, self.prefill_role.evictable_pages())
-        return BackendStats(counters, (prefill, _pool_info("decode", self.decode_pool)))
+        prefill = PoolInfo.of("prefill", self.prefill_pool, self.prefill_role.evictable_pages())
+        return BackendStats(counters, (prefill, PoolInfo.of("decode", self.decode_pool)))
 
     def _post(self, cmd: _Submit | _AbortCmd) -> None:
         with self._cond:
@@ -335,15 +335,3 @@ class LocalPipeline:
         with self._cond:
             self._idle = True
             self._cond.notify_all()
-
-
-def _pool_info(role: str, pool: KVPool, cached: int = 0) -> PoolInfo:
-    return PoolInfo(
-        role=role,
-        pool_tokens=pool.capacity_tokens,
-        page_size=pool.page_size,
-        pages_used=pool.num_used,
-        pages_free=pool.num_free,
-        pages_pending=pool.num_pending,
-        pages_cached=cached,
-    )

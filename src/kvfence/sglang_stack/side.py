@@ -122,16 +122,7 @@ class PairSide(ABC):
         return None
 
     def stats(self) -> BackendStats:
-        pool = self.pool
-        info = PoolInfo(
-            self.role,
-            pool.capacity_tokens,
-            pool.page_size,
-            pool.num_used,
-            pool.num_free,
-            pool.num_pending,
-            self.evictable_pages(),
-        )
+        info = PoolInfo.of(self.role, self.pool, self.evictable_pages())
         return BackendStats(self.counters(), (info,))
 
     def evictable_pages(self) -> int:

@@ -216,18 +216,7 @@ def _decisive_sweep(
             "seconds": round(took, 1),
         }
         if noise_hid_a_skip(result, cfg):
-            probes = len(sweep.samples) + len(sweep.errors)
-            fits = repeats_that_fit(ctx.budget.remaining_s, took, probes, lengths)
-            closer = closer_neighbour(lengths, sweep.samples)
-            if closer != lengths:
-                # A new neighbour's separation is unknown: the power factor's margin on top.
-                wanted = math.ceil(POWER_FACTOR * repeats)
-                entry["neighbour_moved"] = {"from": lengths[-2], "to": closer[-2]}
-                lengths = closer
-            else:
-                wanted = repeats_for_noise(sweep.samples, cfg, repeats)
-            entry["next_repeats"] = {"wanted": wanted, "fit_the_budget": fits}
-            repeats = max(repeats, min(wanted, fits))
+            lengths, repeats = _resized(ctx, sweep, took, cfg, lengths, repeats, entry)
         next_s = took * sum(planned_probes(lengths, repeats).values()) / max(1, sweep.probes)
         if next_s > ctx.budget.remaining_s:
             # A fresh sweep cut short by the budget would decide nothing and hide this one.
@@ -239,6 +228,32 @@ def _decisive_sweep(
             result.evidence["next_sweep"] = {"needed_s": round(next_s, 1), "left_s": round(left)}
             return sweep, result, earlier
         earlier.append(entry)
+
+
+def _resized(
+    ctx: AuditContext,
+    sweep: Sweep,
+    took: float,
+    cfg: LatencyConfig,
+    lengths: list[int],
+    repeats: int,
+    entry: dict[str, JSONValue],
+) -> tuple[list[int], int]:
+    """The next sweep's lengths and repeats after one whose noise could hide a skip: the
+    neighbour moved closer where the cost jumps past it, else the repeats the noise needs,
+    within what the budget fits (both recorded in `entry`)."""
+    probes = len(sweep.samples) + len(sweep.errors)
+    fits = repeats_that_fit(ctx.budget.remaining_s, took, probes, lengths)
+    closer = closer_neighbour(lengths, sweep.samples)
+    if closer != lengths:
+        # A new neighbour's separation is unknown: the power factor's margin on top.
+        wanted = math.ceil(POWER_FACTOR * repeats)
+        entry["neighbour_moved"] = {"from": lengths[-2], "to": closer[-2]}
+        lengths = closer
+    else:
+        wanted = repeats_for_noise(sweep.samples, cfg, repeats)
+    entry["next_repeats"] = {"wanted": wanted, "fit_the_budget": fits}
+    return lengths, max(repeats, min(wanted, fits))
 
 
 def _ambiguous(result: LatencyAnalysis, cfg: LatencyConfig) -> bool:
