@@ -14,6 +14,15 @@ NIXL refuses a write outside every registered range (NIXL_ERR_NOT_FOUND) but,
 like Mooncake, knows no pages: the grant, the inbound windows (I7) and
 reconciliation (I3) stay in kvfence (`granted.py`).
 
+Progress: NIXL's own progress thread polls UCX with no pause (its Python API fixes
+the delay at 0), so each agent spent a core of a 2-core host doing nothing, and the
+stack over NIXL ran at half of TCP's pace. The agents run without it. A sender's
+engine drives its own agent while it waits for a WRITE to end; decode's receiver
+asks its agent for notifications every `PUMP_S` on a thread of its own, which also
+drives decode's side of UCX (a WRITE, and a connection's set-up, need the target to
+make progress too), whatever decode's engine thread is doing, and ends each room
+the moment its notification comes.
+
 Needs `nixl-cu12` (installed with --no-deps: its core, UCX and POSIX plugins
 link no CUDA library; `make pd`).
 """
@@ -45,6 +54,9 @@ from kvfence.transfer.layout import Outgoing
 log = logging.getLogger(__name__)
 
 AGENT = b"A"  # sender -> decode: the name of the sender's NIXL agent
+# How often decode's receiver asks its agent for notifications (and so drives its progress):
+# a room's end is seen within this long of its WRITE, for a few hundred wake-ups a second.
+PUMP_S = 0.002
 
 
 class NixlAgent:
@@ -54,7 +66,9 @@ class NixlAgent:
         from nixl_cu12 import nixl_agent, nixl_agent_config  # `make pd`
 
         self.name = f"kvfence-{role}-{uuid.uuid4().hex[:12]}"
-        self._agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        # No progress thread (it busy-polls): the module docstring says who drives progress.
+        config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        self._agent = nixl_agent(self.name, config)
         self._pools: dict[int, tuple[tuple[tuple[int, int], tuple[int, int]], Any]] = {}
         self._lock = threading.Lock()
 
@@ -116,6 +130,9 @@ class NixlReceiver(GrantingReceiver):
         (self._k_addr, _), (self._v_addr, _) = agent.register(pool)
         self._metadata = agent.metadata()
         super().__init__(pool, host, port)
+        self._stopping = threading.Event()
+        self._pump = threading.Thread(target=self._run_pump, name="kvfence-nixl", daemon=True)
+        self._pump.start()
 
     def engine_hello(self) -> dict[str, Any]:
         return {"metadata": self._metadata, "k_addr": self._k_addr, "v_addr": self._v_addr}
@@ -126,7 +143,15 @@ class NixlReceiver(GrantingReceiver):
         peer["engine"] = body.decode(errors="replace")
         return True
 
-    def poll(self) -> list[Event]:
+    def _run_pump(self) -> None:
+        while not self._stopping.wait(PUMP_S):
+            try:
+                self._collect()
+            except Exception:  # the pump must outlive one bad call; decode's poll collects too
+                log.exception("NIXL notification pump")
+
+    def _collect(self) -> None:
+        """End each room whose WRITE's notification came (its `Landed` wakes decode)."""
         for agent, msg in self._agent.notifications():
             try:
                 room, checksum = parse_end(msg)
@@ -136,7 +161,15 @@ class NixlReceiver(GrantingReceiver):
             if not self.finish(room, checksum, agent):
                 # Already ended by its E frame, or not granted to this agent: ignored.
                 log.debug("no open grant of room %r for agent %s", room, agent)
+
+    def poll(self) -> list[Event]:
+        self._collect()
         return super().poll()
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._pump.join(1.0)
+        super().close()
 
 
 class NixlSender(GrantedSender):
