@@ -42,8 +42,10 @@ FLOOD_ROUNDS = 2
 PROMPT = "hello " * 100  # 300 tokens: near the per-request limit (336)
 # sglang-router's own defaults (0.3.2), given after the stack's: argparse takes the last.
 ROUTER_DEFAULTS = ("--cb-failure-threshold", "10", "--retry-max-retries", "5")
-# Floods the unguarded fleet may take before its breakers open (see the test that needs it).
-FLOODS_TO_TRIP = 3
+# The attacker's floods against the unguarded fleet, each twice the last, until a breaker
+# opens: how many of a flood's refusals come in a row (what opens a breaker) follows the
+# host's speed, and a fast host served three floods of 16 without one.
+ESCALATING_FLOODS = (FLOOD_CLIENTS, 2 * FLOOD_CLIENTS, 4 * FLOOD_CLIENTS, 8 * FLOOD_CLIENTS)
 # Only the prompt-token bound, which the workers keep: the edge passes every request on.
 WORKERS_REFUSE = TenantLimits(max_concurrent=None, refusal_burst=None)
 
@@ -119,7 +121,7 @@ def _post(fleet: Fleet, tenant: str) -> httpx.Response:
     )
 
 
-def _flood_then_quiet(fleet: Fleet) -> Seen:
+def _flood_then_quiet(fleet: Fleet, clients: int = FLOOD_CLIENTS) -> Seen:
     """The flood, with "quiet" sending one request at a time beside it, then three after."""
     seen = Seen()
     done = threading.Event()
@@ -132,7 +134,7 @@ def _flood_then_quiet(fleet: Fleet) -> Seen:
         while not done.is_set():
             seen.note("quiet-during", _post(fleet, "quiet"))
 
-    threads = [threading.Thread(target=flood) for _ in range(FLOOD_CLIENTS)]
+    threads = [threading.Thread(target=flood) for _ in range(clients)]
     beside = threading.Thread(target=quiet_beside)
     for t in [*threads, beside]:
         t.start()
@@ -163,6 +165,10 @@ def test_one_tenants_refusals_leave_the_others_served(checkpoint: Path, tmp_path
         assert set(quiet) <= {("quiet-during", 200), ("quiet-after", 200)}, seen.bodies
         assert quiet["quiet-after", 200] == 3, quiet
         assert not any(s == 503 for (_, s) in seen.statuses), seen.bodies
+        # The hardest of the floods that take the unguarded fleet down leaves this one serving.
+        hardest = _flood_then_quiet(fleet, ESCALATING_FLOODS[-1])
+        assert hardest.statuses["quiet-after", 200] == 3, dict(hardest.statuses)
+        assert not any(s >= 500 for (_, s) in hardest.statuses), hardest.bodies
 
 
 def test_with_the_routers_default_breaker_the_flood_takes_the_fleet_down(
@@ -170,13 +176,13 @@ def test_with_the_routers_default_breaker_the_flood_takes_the_fleet_down(
 ) -> None:
     """The fix taken out (sglang-router's own breaker and retries): the check above fails.
 
-    The router retries each refusal with a backoff, so on a slow host one flood's refusals can
-    all be retried into 200s before ten in a row open a breaker; the attacker floods again,
-    and so does this test (up to FLOODS_TO_TRIP times). With the fix in, no number of floods
-    takes the fleet down (the test above)."""
+    The router retries each refusal with a backoff, so one flood's refusals can all be retried
+    into 200s before ten in a row open a breaker; the attacker floods again, harder, and so
+    does this test (ESCALATING_FLOODS). With the fix in, no flood takes the fleet down (the
+    test above, which also sends the hardest of these floods)."""
     with _stack(checkpoint, tmp_path, ROUTER_DEFAULTS) as fleet:
-        for _ in range(FLOODS_TO_TRIP):
-            seen = _flood_then_quiet(fleet)
+        for clients in ESCALATING_FLOODS:
+            seen = _flood_then_quiet(fleet, clients)
             if seen.statuses["quiet-after", 503]:
                 break
         # (The flood itself sees 503s too: the router retried its refusals until they were.)

@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,13 @@ class Rig:
 
     def name_of(self, pid: int) -> str:
         return next(n for n, p in self.stack.supervisor.procs.items() if p.pid == pid)
+
+    def log_tails(self, lines: int = 25) -> str:
+        """The last lines of every process's log, for a failure's message."""
+        return "\n".join(
+            f"--- {name}:\n" + "\n".join(self.stack.log(name).splitlines()[-lines:])
+            for name in self.stack.supervisor.procs
+        )
 
     def facts(self, w: Worker) -> dict[str, Any]:
         url = self.stack.router_url_of(w)
@@ -193,6 +200,16 @@ class Frozen:
     other_own: str
     pending: int  # decode's parked pages once A's room was given up
     late_write: str  # how A's late transfer ended: "ok" when every byte was written
+    # What the rig saw, for a failure's message: how long decode took to give A's room
+    # up and what it held then, and the last lines of every process's log.
+    waited_s: float = 0.0
+    decode_facts: str = ""
+    logs: str = field(default="", repr=False)
+
+    def explain(self) -> str:
+        return (
+            f"{self!r}\nwaited {self.waited_s:.1f} s; decode then: {self.decode_facts}\n{self.logs}"
+        )
 
 
 def freeze_mid_transfer(r: Rig) -> Frozen:
@@ -212,12 +229,15 @@ def freeze_mid_transfer(r: Rig) -> Frozen:
     other: dict[str, Outcome] = {}
     b = threading.Thread(target=lambda: other.setdefault("v", post(r, "tenant-b", b_prompt, HALF)))
     try:
+        wait_stopped(pid)
         (r.hold / "hold").unlink()  # it stays parked until it runs again
         decode = r.workers("decode")[0]
-        end = time.monotonic() + 60
-        while r.facts(decode)["pages_used"] and time.monotonic() < end:
+        began = time.monotonic()
+        while r.facts(decode)["pages_used"] and time.monotonic() < began + 60:
             time.sleep(0.2)  # decode gave A's room up (pair deadline): its pages are released
-        pending = int(r.facts(decode)["pages_pending"])
+        waited = time.monotonic() - began
+        facts = r.facts(decode)
+        pending = int(facts["pages_pending"])
         for stale in r.hold.glob("decoding-*"):
             stale.unlink()
         (r.hold / "hold-decode").touch()
@@ -231,7 +251,22 @@ def freeze_mid_transfer(r: Rig) -> Frozen:
     b.join(120)
     t.join(120)
     own = r.tokenizer.decode(r.tokenizer.encode(b_prompt))
-    return Frozen(result["v"], other["v"], own, pending, late_write)
+    shown = {k: facts.get(k) for k in ("pages_used", "pages_pending", "integrity", "rooms")}
+    return Frozen(
+        result["v"], other["v"], own, pending, late_write, waited, str(shown), r.log_tails()
+    )
+
+
+def wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Until the process is stopped (its state in /proc is T): a signal is delivered when
+    the process next runs, which on a busy host is not at once."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat[stat.rindex(")") + 2] in "Tt":
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"prefill {pid} did not stop within {timeout:.0f} s of SIGSTOP")
 
 
 # ---- the shared stacks: two prefill workers, one decode, per transport ----------------------
@@ -268,7 +303,9 @@ def test_frozen_prefill_writes_late_into_parked_pages_only(two_prefill: Rig) -> 
     r = two_prefill
     frozen = freeze_mid_transfer(r)
     # Decode's 504 (pair deadline); the router re-labels a decode error 500, message kept.
-    assert frozen.victim.status >= 500 and "said nothing of it" in frozen.victim.body, frozen
+    assert frozen.victim.status >= 500 and "said nothing of it" in frozen.victim.body, (
+        frozen.explain()
+    )
     assert frozen.pending > 0  # A's pages parked until its late write is confirmed (I7)
     assert frozen.late_write == "ok"  # it landed before B read a token: the case is not vacuous
     assert frozen.other.full(r.tokenizer, frozen.other_own, HALF), frozen.other
@@ -314,9 +351,11 @@ def test_early_free_lets_the_late_mooncake_write_into_another_tenants_pages(
     pytest.importorskip("mooncake.engine")
     with rig(sgl_checkpoint, tmp_path, "mooncake", faults=FaultSet.of(Fault.EARLY_FREE)) as r:
         frozen = freeze_mid_transfer(r)
-    assert frozen.victim.status >= 500 and "said nothing of it" in frozen.victim.body, frozen
+    assert frozen.victim.status >= 500 and "said nothing of it" in frozen.victim.body, (
+        frozen.explain()
+    )
     assert frozen.pending == 0  # A's pages went straight back to the free list
-    assert frozen.late_write == "ok", frozen.late_write
+    assert frozen.late_write == "ok", frozen.explain()
     # A 200 with B's token count, built from A's prompt: the incident's answer.
     assert frozen.other.status == 200 and frozen.other.completion_tokens == HALF, frozen.other
     assert SENTINEL in frozen.other.text, frozen.other.text[:300]
