@@ -130,6 +130,16 @@ def test_the_wait_allowance_bounds_retries_over_the_whole_audit() -> None:
     assert not RetryAllowance(Pacing(retries=0)).allows(0)
 
 
+def test_the_pause_stops_growing_and_the_default_outlasts_a_routers_recheck() -> None:
+    pacing = Pacing(backoff_s=1.0, max_pause_s=16.0)
+    assert [pacing.pause_s(i) for i in range(7)] == [1, 2, 4, 8, 16, 16, 16]
+    # vllm-router takes an unhealthy worker back after two passing checks 60 s apart (its
+    # defaults): one request of the default pacing waits that out, within one client's allowance.
+    default = Pacing()
+    riding_out = sum(default.pause_s(i) for i in range(default.retries))
+    assert 120.0 <= riding_out <= default.max_wait_s, riding_out
+
+
 def test_what_counts_as_unavailable() -> None:
     assert (
         unavailable_reason(None, "ReadTimeout: timed out")

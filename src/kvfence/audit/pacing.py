@@ -26,27 +26,37 @@ __all__ = ["UNAVAILABLE_STATUSES", "Pacing", "RetryAllowance", "unavailable_reas
 UNAVAILABLE_STATUSES = frozenset({503})
 
 
+# A router takes a worker it marked unhealthy back only after some health checks pass:
+# vllm-router by default checks every 60 s and needs 2 in a row, so a decode worker that
+# missed its checks under load leaves the fleet answering 503 "0 decode" for up to two
+# minutes. The default pacing outlasts that (1 + 2 + 4 + 8 + 16 x 8 = 143 s of pauses for one
+# request), within the per-client allowance.
+DEFAULT_RETRIES = 12
+DEFAULT_MAX_PAUSE_S = 16.0
+
+
 @dataclass(frozen=True, slots=True)
 class Pacing:
     """The retry policy for availability failures.
 
     ``retries``: further tries of one request; ``backoff_s``: the first pause, doubled before
-    each next try; ``max_wait_s``: the most one client spends, over the whole audit, on
-    requests that came back unavailable and the pauses after them (a target that stays down
-    is reported, not waited on forever). ``retries=0`` turns retrying off.
+    each next try up to ``max_pause_s``; ``max_wait_s``: the most one client spends, over the
+    whole audit, on requests that came back unavailable and the pauses after them (a target
+    that stays down is reported, not waited on forever). ``retries=0`` turns retrying off.
     """
 
-    retries: int = 3
+    retries: int = DEFAULT_RETRIES
     backoff_s: float = 1.0
     max_wait_s: float = 180.0
+    max_pause_s: float = DEFAULT_MAX_PAUSE_S
 
     def __post_init__(self) -> None:
-        if self.retries < 0 or self.backoff_s < 0 or self.max_wait_s < 0:
-            raise ValueError("pacing needs retries, backoff_s and max_wait_s >= 0")
+        if min(self.retries, self.backoff_s, self.max_wait_s, self.max_pause_s) < 0:
+            raise ValueError("pacing needs retries, backoff_s, max_wait_s and max_pause_s >= 0")
 
     def pause_s(self, attempt: int) -> float:
         """The pause before try `attempt + 1` (attempt 0 is the first send)."""
-        return self.backoff_s * (2**attempt)
+        return min(self.backoff_s * (2**attempt), self.max_pause_s)
 
 
 def unavailable_reason(status: int | None, error: str | None) -> str | None:
