@@ -144,11 +144,12 @@ class NixlReceiver(GrantingReceiver):
         return True
 
     def _run_pump(self) -> None:
-        while not self._stopping.wait(PUMP_S):
-            try:
+        try:
+            while not self._stopping.wait(PUMP_S):
                 self._collect()
-            except Exception:  # the pump must outlive one bad call; decode's poll collects too
-                log.exception("NIXL notification pump")
+        except Exception:
+            # Said once, not 500 times a second; decode's poll still collects every turn.
+            log.exception("NIXL notification pump stopped; decode's own polls go on")
 
     def _collect(self) -> None:
         """End each room whose WRITE's notification came (its `Landed` wakes decode)."""
