@@ -251,7 +251,7 @@ def freeze_mid_transfer(r: Rig) -> Frozen:
     b.join(120)
     t.join(120)
     own = r.tokenizer.decode(r.tokenizer.encode(b_prompt))
-    shown = {k: facts.get(k) for k in ("pages_used", "pages_pending", "integrity", "rooms")}
+    shown = {k: facts.get(k) for k in ("pages_used", "pages_pending", "integrity")}
     return Frozen(
         result["v"], other["v"], own, pending, late_write, waited, str(shown), r.log_tails()
     )
