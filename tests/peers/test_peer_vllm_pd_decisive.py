@@ -32,8 +32,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.peers, PEER_TIMEOUT]
 
 # Seconds each check may take, from runs on this 2-core machine: noninterference passed in
 # 42-332 s at load 16-31 (269 s with two busy processes beside it) and ran past 420 s at load
-# 45; prefix sharing failed in 1-42 s.
-_BUDGET_S = {"noninterference": 480.0, "prefix_sharing": 120.0}
+# 45; prefix sharing failed in 1-66 s. Each leaves room for one ride-out of the router's 503
+# (143 s, `audit/pacing.py`).
+_BUDGET_S = {"noninterference": 480.0, "prefix_sharing": 240.0}
 
 
 def _run(fleet: VllmPdFleet, check: Check, seed: int = 0) -> CheckResult:
