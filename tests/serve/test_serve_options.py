@@ -81,6 +81,7 @@ def test_each_flag_arrives_as_its_type() -> None:
          "or decode"),
         (["--router", "sglang", "--role", "prefill"], "needs --router-secret-file"),
         (["--no-auth", "--host", "10.0.0.1"], "--no-auth is only allowed on a loopback host"),
+        (["--pair-timeout", "0"], "Invalid value for '--pair-timeout': 0.0 is not in the range"),
     ],
 )  # fmt: skip
 def test_a_bad_option_is_a_usage_error_naming_the_flag(argv: list[str], message: str) -> None:

@@ -36,8 +36,7 @@ from kvfence.sglang_stack.decode import DecodeSide
 from kvfence.sglang_stack.prefill import PrefillSide
 from kvfence.transfer.registry import get_transport
 
-WAIT_S = 1.5  # decode's pair wait (the real one is 30 s)
-KEEPALIVE_S = 0.25  # prefill's word, well inside the wait (the real one is 5 s)
+WAIT_S = 1.5  # the pair wait, both sides (the default is 30 s); prefill's word every 0.25 s
 STEP_S = 3 * WAIT_S  # prefill's one step: three waits long
 
 
@@ -72,7 +71,7 @@ def _pair(sgl_checkpoint: Path, step_bound_s: float) -> Iterator[tuple[PrefillSi
         p_engine,
         get_transport("tcp"),
         "tcp://127.0.0.1:0",
-        keepalive_s=KEEPALIVE_S,
+        pair_timeout_s=WAIT_S,
         step_bound_s=step_bound_s,
     )
     transport = get_transport("tcp", host="127.0.0.1")

@@ -43,6 +43,9 @@ from kvfence.sglang_stack.stack import Stack, StackSpec, Worker
 pytestmark = pytest.mark.slow
 SENTINEL = "ZQXTBNVLQJ"
 HALF = 150  # prompt and max_tokens: together within the per-request limit (336)
+# The pair wait (30 s by default): a frozen or killed worker's room fails by then, and the
+# cases wait for it; a third of the default keeps every honest pair well inside it.
+PAIR_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +100,7 @@ def rig(
         "--context-length", str(SCALE.context_length), "--page-size", str(SCALE.page_size),
         "--kv-pages", f"prefill={SCALE.prefill_pages},decode={SCALE.decode_pages}",
         "--torch-threads", "1", "--transport", transport, "--no-prefix-cache",
-        "--allow-undersized-pool",
+        "--allow-undersized-pool", "--pair-timeout", str(PAIR_TIMEOUT_S),
     ]  # fmt: skip
     for f in replace(faults or FaultSet(), hold=hold).names():  # the hold: the lab switch
         args += ["--lab-fault", f]
@@ -303,9 +306,8 @@ def test_frozen_prefill_writes_late_into_parked_pages_only(two_prefill: Rig) -> 
     r = two_prefill
     frozen = freeze_mid_transfer(r)
     # Decode's 504 (pair deadline); the router re-labels a decode error 500, message kept.
-    assert frozen.victim.status >= 500 and "said nothing of it" in frozen.victim.body, (
-        frozen.explain()
-    )
+    said = f"said nothing of it for {PAIR_TIMEOUT_S:g} s"  # the wait `--pair-timeout` set
+    assert frozen.victim.status >= 500 and said in frozen.victim.body, frozen.explain()
     assert frozen.pending > 0  # A's pages parked until its late write is confirmed (I7)
     assert frozen.late_write == "ok"  # it landed before B read a token: the case is not vacuous
     assert frozen.other.full(r.tokenizer, frozen.other_own, HALF), frozen.other

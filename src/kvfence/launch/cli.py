@@ -29,7 +29,7 @@ from kvfence.serve.announce import announce
 from kvfence.serve.config import Capacity, ServeConfig
 from kvfence.serve.pool_sizing import DEFAULT_KV_FRACTION, gate_fix_hint
 from kvfence.serve.process_tuning import tune_serving_process
-from kvfence.serve.specs import CROSS_PROCESS, LOG_LEVELS, WorkerSpec
+from kvfence.serve.specs import CROSS_PROCESS, LOG_LEVELS, SglangWorkerSpec, WorkerSpec
 from kvfence.serve.startup import collector_paused, quiet_torch_import
 from kvfence.serve.tenants import TenantFileError, TenantRegistry
 
@@ -226,6 +226,14 @@ from kvfence.serve.tenants import TenantFileError, TenantRegistry
     default=0,
     show_default=True,
     help="intra-op threads for the model (0 = torch's default; --disaggregated splits the cores)",
+)
+@click.option(
+    "--pair-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=default_of(SglangWorkerSpec, "pair_timeout"),
+    show_default=True,
+    help="sglang-router stack: seconds one worker of a pair waits for the other (or for word "
+    "from it) before the request fails with 504 and decode gives its room up",
 )
 def serve(**given: Any) -> None:
     """Serve a model over the OpenAI API, with tenant isolation (exit 1: capacity gate failed)."""

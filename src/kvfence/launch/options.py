@@ -89,6 +89,7 @@ class ServeOptions:
     bootstrap_port: int
     router_secret_file: Path | None
     torch_threads: int  # 0: torch's default (co-located workers split the cores)
+    pair_timeout: float  # seconds; the sglang-router stack's workers
 
     def __post_init__(self) -> None:
         self._check_auth()
@@ -292,6 +293,7 @@ def sglang_worker_spec(options: ServeOptions, worker: WorkerSpec) -> SglangWorke
         allow_undersized_pool=options.allow_undersized_pool,
         default_max_tokens=options.default_max_tokens,
         log_level=options.log_level,
+        pair_timeout=options.pair_timeout,
     )
 
 
@@ -316,6 +318,7 @@ def stack_worker_argv(options: ServeOptions) -> tuple[str, ...]:
         ("--default-max-tokens", o.default_max_tokens),
         ("--kv-host", o.kv_host),
         ("--torch-threads", o.worker_threads),
+        ("--pair-timeout", o.pair_timeout),
         *(("--lab-fault", f) for f in o.faults.names()),
     ]
     args = [a for flag, value in given if value is not None for a in (flag, str(value))]

@@ -242,6 +242,14 @@ class SglangWorkerSpec:
     allow_undersized_pool: bool = False
     default_max_tokens: int = default_of(ServeConfig, "default_max_tokens")
     log_level: str = "warning"
+    # How long one half of a pair waits for the other, or for word from it
+    # (`sglang_stack.side`): decode holds the pages it reserved for a prefill that went quiet
+    # this long, and the client waits this long for the 504.
+    pair_timeout: float = 30.0  # seconds
+
+    def __post_init__(self) -> None:
+        if not self.pair_timeout > 0:
+            raise ValueError(f"pair_timeout must be > 0 s, got {self.pair_timeout}")
 
 
 SPEC_VERSION = 2  # another version is refused whole, before any of its fields is read

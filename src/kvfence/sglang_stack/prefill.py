@@ -37,7 +37,7 @@ from kvfence.roles.control import PrefillInput
 from kvfence.roles.prefill import PrefillRole
 from kvfence.sglang_stack.keepalive import KeepAlive
 from kvfence.sglang_stack.side import (
-    KEEPALIVE_S,
+    KEEPALIVES_PER_TIMEOUT,
     PAIR_TIMEOUT_S,
     STEP_BOUND_S,
     Cancel,
@@ -70,18 +70,20 @@ class PrefillSide(PairSide):
         transport: KVTransport,
         bootstrap_addr: str,
         hold: LabHold | None = None,  # the lab's `hold=FOLDER` switch (lab_holds.py)
-        keepalive_s: float = KEEPALIVE_S,
+        pair_timeout_s: float = PAIR_TIMEOUT_S,
         step_bound_s: float = STEP_BOUND_S,
     ) -> None:
         driver = PrefillRole(engine, Senders(transport, hold))
         super().__init__(driver, bootstrap_addr, [RoomRegistration, Failure])
         self.driver: PrefillRole = driver
+        self.pair_timeout_s = pair_timeout_s
         self.pairs: dict[str, _Pair] = {}  # rooms waiting for their other half
         self.live: dict[str, tuple[Sink, RoomRegistration]] = {}  # paired rooms in the engine
         self.answered: set[str] = set()  # live rooms whose HTTP side has had its one end (I6)
         self.room_mismatches = 0
         self.pairs_by_room_alone = Fault.DECODE_TRUSTS_BOOTSTRAP in engine.faults  # lab only
         # Says `Queued` for `live` rooms while the engine's turns keep ending.
+        keepalive_s = pair_timeout_s / KEEPALIVES_PER_TIMEOUT
         self.keepalive = KeepAlive(self.ctx, keepalive_s, step_bound_s)
         self._inputs: list[PrefillInput] = []  # for the role, this turn
 
@@ -131,7 +133,7 @@ class PrefillSide(PairSide):
     def _pair(self, room: str) -> _Pair:
         pair = self.pairs.get(room)
         if pair is None:
-            pair = self.pairs[room] = _Pair(time.monotonic() + PAIR_TIMEOUT_S)
+            pair = self.pairs[room] = _Pair(time.monotonic() + self.pair_timeout_s)
         return pair
 
     def _from_decode(self, msg: Message) -> None:
@@ -208,7 +210,10 @@ class PrefillSide(PairSide):
             if now < pair.deadline:
                 continue
             del self.pairs[room]
-            why = f"the other worker of the pair did not take room {room} within {PAIR_TIMEOUT_S} s"
+            why = (
+                f"the other worker of the pair did not take room {room} within "
+                f"{self.pair_timeout_s:g} s"
+            )
             failure = Failure(room, ErrorInfo(504, "timeout", why, code="pair_timeout"))
             if pair.registration is not None:
                 self._notify(pair.registration, failure)

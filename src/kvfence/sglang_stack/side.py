@@ -19,20 +19,26 @@ from dataclasses import dataclass
 import zmq
 
 from kvfence.engine.backend import BackendStats, GenerateWork, PoolInfo, Sink
+from kvfence.engine.config import default_of
 from kvfence.engine.counters import Counters
 from kvfence.engine.messages import ErrorInfo, Message
 from kvfence.roles.decode import DecodeRole
 from kvfence.roles.prefill import PrefillRole
 from kvfence.serve.channel import Inbox, Outbox, Waker
+from kvfence.serve.specs import SglangWorkerSpec
 from kvfence.sglang_stack.cores import CoreShare
 from kvfence.sglang_stack.fields import RoomBinding
 
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 10
-PAIR_TIMEOUT_S = 30.0  # a room whose other half never shows up, or goes silent, fails by then
-# How often prefill says it still holds a paired room (`Queued`): well inside PAIR_TIMEOUT_S,
-# so a late message or two never expires a room that is only waiting its turn.
-KEEPALIVE_S = 5.0
+# A room whose other half never shows up, or goes silent, fails by then (the default of
+# `kvfence serve --pair-timeout`): how long decode keeps pages reserved for a prefill that
+# went quiet, and how long a client waits to hear so.
+PAIR_TIMEOUT_S = default_of(SglangWorkerSpec, "pair_timeout")
+# How often prefill says it still holds a paired room (`Queued`), as a share of the pair
+# timeout: well inside it, so a late message or two never expires a room that is only
+# waiting its turn.
+KEEPALIVES_PER_TIMEOUT = 6
 # The keep-alive vouches for the engine, not only for the room: a turn of prefill's engine
 # loop that has not ended in this long is a hung engine (a long prompt's step on a loaded
 # host takes a minute or two), so the word stops and decode fails the rooms PAIR_TIMEOUT_S

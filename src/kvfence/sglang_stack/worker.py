@@ -50,12 +50,20 @@ def build_side(spec: SglangWorkerSpec, loaded: LoadedModel) -> PairSide:
         pool = KVPool(geometry, config.prefill_pages, scrub=config.scrub, faults=faults)
         engine = PrefillEngine(loaded.model, pool, config, faults)
         addr = f"tcp://{spec.host}:{spec.bootstrap_port}"
-        return PrefillSide(engine, get_transport(w.transport), addr, LabHold.of(faults))
+        return PrefillSide(
+            engine,
+            get_transport(w.transport),
+            addr,
+            LabHold.of(faults),
+            pair_timeout_s=spec.pair_timeout,
+        )
     transport = get_transport(w.transport, host=w.kv_host)
     pool = transport.create_pool(geometry, config.decode_pages, scrub=config.scrub, faults=faults)
     receiver = transport.receiver(pool)
     decode = DecodeEngine(loaded.model, pool, config, faults, inbound=receiver)
-    return DecodeSide(decode, receiver, f"tcp://{w.kv_host}:0", faults, LabHold.of(faults))
+    reply_addr = f"tcp://{w.kv_host}:0"
+    hold = LabHold.of(faults)
+    return DecodeSide(decode, receiver, reply_addr, faults, hold, pair_timeout_s=spec.pair_timeout)
 
 
 def serve_config(spec: SglangWorkerSpec, loaded: LoadedModel) -> ServeConfig:
