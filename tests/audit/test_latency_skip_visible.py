@@ -9,13 +9,21 @@ live checks (tests/peers, tests/audit_stats) run it on real servers.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
 from kvfence.audit.base import Verdict
+from kvfence.audit.checks.latency import check as latency
 from kvfence.audit.checks.latency.analysis import LatencyConfig, LatencySample, analyse
 from kvfence.audit.checks.latency.pilot import Pace, planned_probes
-from kvfence.audit.checks.latency.resweep import closer_neighbour, repeats_for_noise
+from kvfence.audit.checks.latency.resweep import (
+    closer_neighbour,
+    hopeless,
+    noise_needs,
+    repeats_for_noise,
+)
+from kvfence.audit.contract import AuditContext
 
 CFG = LatencyConfig(alpha=1e-3 / 3 / 2)  # the runbook's share, per sweep
 REPEATS = CFG.repeats_for(1e-3 / 3 / 2)
@@ -107,15 +115,21 @@ LINEAR_COST = {16: 0.10, 51: 0.15, 161: 0.25, 511: 0.45, 1023: 0.80}
 
 
 def _planned(
-    costs: dict[int, float], seed: int, spread: float, skip: bool, repeats: int
+    costs: dict[int, float],
+    seed: int,
+    spread: float,
+    skip: bool,
+    repeats: int,
+    delay: str = "exponential",
 ) -> list[LatencySample]:
-    """A sweep as the live check plans it (`planned_probes`), long-tailed delays."""
+    """A sweep as the live check plans it (`planned_probes`), long-tailed delays unless
+    `delay` says "uniform"."""
     rng = random.Random(seed)
     lengths = sorted(costs)
     out = []
     for n, k in planned_probes(lengths, repeats).items():
         paid = costs[lengths[0]] if skip and n == lengths[-1] else costs[n]
-        out += [LatencySample(n, paid + rng.expovariate(1 / spread)) for _ in range(k)]
+        out += [LatencySample(n, paid + _delay(rng, delay, spread)) for _ in range(k)]
     return out
 
 
@@ -177,3 +191,82 @@ def test_the_warm_up_prices_a_sweep_without_under_counting_the_lengths_between()
     # 58 and 211 tokens are priced at the next length timed above them (767 tokens).
     assert pace.sweep_s(planned) == pytest.approx(30 * 0.45 + 20 * 0.8 + 30 * 0.8 + 30 * 1.2)
     assert Pace((), failed=3).sweep_s(planned) is None
+
+
+def _decide(monkeypatch: pytest.MonkeyPatch, delay: str, spread: float, seed: int) -> Any:
+    """The live check's loop of sweeps, each sweep drawn fresh with this noise."""
+    draws = iter(range(seed, seed + 10))
+
+    def sweep(ctx: Any, client: Any, cfg: LatencyConfig, lengths: list[int], repeats: int) -> Any:
+        planned = planned_probes(lengths, repeats)
+        rng = random.Random(next(draws))
+        samples = [
+            LatencySample(n, _cost(n) + _delay(rng, delay, spread), "ttft", f"probe {n}/{i}")
+            for n, k in planned.items()
+            for i in range(k)
+        ]
+        return latency.Sweep(repeats, planned, samples)
+
+    monkeypatch.setattr(latency, "_sweep", sweep)
+    repeats = CFG.sweep_repeats(CFG.alpha or 0.0)  # the live check's first sweep
+    return latency._decisive_sweep(AuditContext(), None, CFG, sorted(COST), repeats)  # type: ignore[arg-type]
+
+
+def _cost(n: int) -> float:
+    """COST, linear between its lengths (a second sweep may move its neighbour)."""
+    lengths = sorted(COST)
+    hi = next(m for m in lengths if m >= n)
+    lo = max((m for m in lengths if m <= n), default=hi)
+    if hi == lo:
+        return COST[hi]
+    return COST[lo] + (COST[hi] - COST[lo]) * (n - lo) / (hi - lo)
+
+
+def _delay(rng: random.Random, delay: str, spread: float) -> float:
+    return rng.uniform(0, spread) if delay == "uniform" else rng.expovariate(1 / spread)
+
+
+def test_a_sweep_too_noisy_for_any_fresh_sweep_stops_and_says_what_deciding_takes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The vLLM P/D fleet here: the longest prompt's prefill is a fraction of the noise, and
+    a second sweep of the most repeats the check runs ended undecided after minutes. Where
+    the noise needs twice the check's cap, the check stops after the first sweep instead
+    (unless it moves the neighbour: the noise it measured then says nothing of the next)."""
+    stopped = 0
+    for seed in range(0, 60, 10):
+        _, result, earlier = _decide(monkeypatch, "exponential", 2.0, seed)
+        assert result.verdict is Verdict.INCONCLUSIVE, result.summary
+        if earlier:
+            assert "neighbour_moved" in earlier[0], earlier
+            continue
+        stopped += 1
+        assert "a fresh sweep would not decide either" in result.summary, result.summary
+        needed = result.evidence["next_sweep"]
+        assert needed["most"] == CFG.max_repeats, needed
+        assert needed["needed"] is None or needed["needed"] > 2 * CFG.max_repeats, needed
+    assert stopped >= 2, stopped
+    # Where the noise leaves a fresh sweep a good chance (seeded: 6 of 6 such decided), every
+    # undecided first sweep gets one, sized from the noise.
+    resized = 0
+    for seed in range(0, 120, 10):
+        _, result, earlier = _decide(monkeypatch, "uniform", 0.5, seed)
+        assert result.verdict is not Verdict.FAIL, result.summary
+        assert "would not decide either" not in result.summary, result.summary
+        resized += bool(earlier) and earlier[0]["next_repeats"]["wanted"] > REPEATS
+    assert resized >= 3, resized
+
+
+def test_a_sweep_called_hopeless_would_not_have_decided() -> None:
+    """Seeded: first sweeps the rule stops after, each followed by the fresh sweep it would
+    have run (the most repeats the check allows), decide at most 1 in 12."""
+    decided = stopped = 0
+    for seed in range(12):
+        for delay, spread in (("exponential", 0.8), ("uniform", 1.2)):
+            first = _planned(COST, seed, spread, False, REPEATS, delay)
+            if not hopeless(noise_needs(first, CFG, REPEATS), CFG.max_repeats):
+                continue
+            stopped += 1
+            fresh = _planned(COST, 1000 + seed, spread, False, CFG.max_repeats, delay)
+            decided += analyse(fresh, CFG).verdict is Verdict.PASS
+    assert stopped >= 12 and decided <= stopped // 12, (stopped, decided)

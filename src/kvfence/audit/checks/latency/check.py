@@ -49,7 +49,9 @@ from kvfence.audit.checks.latency.pilot import Pace, planned_probes, time_warm_u
 from kvfence.audit.checks.latency.resweep import (
     POWER_FACTOR,
     closer_neighbour,
+    hopeless,
     noise_hid_a_skip,
+    noise_needs,
     repeats_for_noise,
     repeats_that_fit,
 )
@@ -216,7 +218,11 @@ def _decisive_sweep(
             "seconds": round(took, 1),
         }
         if noise_hid_a_skip(result, cfg):
-            lengths, repeats = _resized(ctx, sweep, took, cfg, lengths, repeats, entry)
+            resized = _resized(ctx, sweep, took, cfg, lengths, repeats, entry)
+            if resized is None:  # the noise needs more than any sweep the check may run
+                _no_sweep_decides(result, entry, took / max(1, sweep.probes), lengths)
+                return sweep, result, earlier
+            lengths, repeats = resized
         next_s = took * sum(planned_probes(lengths, repeats).values()) / max(1, sweep.probes)
         if next_s > ctx.budget.remaining_s:
             # A fresh sweep cut short by the budget would decide nothing and hide this one.
@@ -238,10 +244,12 @@ def _resized(
     lengths: list[int],
     repeats: int,
     entry: dict[str, JSONValue],
-) -> tuple[list[int], int]:
+) -> tuple[list[int], int] | None:
     """The next sweep's lengths and repeats after one whose noise could hide a skip: the
     neighbour moved closer where the cost jumps past it, else the repeats the noise needs,
-    within what the budget fits (both recorded in `entry`)."""
+    within what the budget fits (both recorded in `entry`). None: the noise needs far more
+    repeats than the check's cap or the budget allow (`resweep.hopeless`), so a fresh sweep
+    would end undecided too."""
     probes = len(sweep.samples) + len(sweep.errors)
     fits = repeats_that_fit(ctx.budget.remaining_s, took, probes, lengths)
     closer = closer_neighbour(lengths, sweep.samples)
@@ -251,9 +259,40 @@ def _resized(
         entry["neighbour_moved"] = {"from": lengths[-2], "to": closer[-2]}
         lengths = closer
     else:
+        need = noise_needs(sweep.samples, cfg, repeats)
+        can = min(cfg.max_repeats, fits)
+        if hopeless(need, can):
+            entry["next_repeats"] = {
+                "needed": None if math.isinf(need) else math.ceil(need),
+                "most": cfg.max_repeats,
+                "fit_the_budget": fits,
+            }
+            return None
         wanted = repeats_for_noise(sweep.samples, cfg, repeats)
     entry["next_repeats"] = {"wanted": wanted, "fit_the_budget": fits}
     return lengths, max(repeats, min(wanted, fits))
+
+
+def _no_sweep_decides(
+    result: LatencyAnalysis, entry: dict[str, JSONValue], per_probe_s: float, lengths: list[int]
+) -> None:
+    """Say, in the undecided sweep's summary, what deciding would take on this target."""
+    sizes = entry["next_repeats"]
+    assert isinstance(sizes, dict)
+    needed, most, fits = sizes["needed"], sizes["most"], sizes["fit_the_budget"]
+    if isinstance(needed, int):
+        seconds = sum(planned_probes(lengths, needed).values()) * per_probe_s
+        need = (
+            f"about {needed} probes per compared length (about {seconds:.0f} s at this "
+            f"sweep's pace)"
+        )
+    else:
+        need = "more probes than any sweep: its short and neighbouring prompts did not separate"
+    result.summary += (
+        f"; a fresh sweep would not decide either: this target's noise needs {need}, and "
+        f"the check runs at most {most} (the audit's time left fits {fits})"
+    )
+    result.evidence["next_sweep"] = sizes
 
 
 def _ambiguous(result: LatencyAnalysis, cfg: LatencyConfig) -> bool:

@@ -13,11 +13,15 @@ from kvfence.audit.checks.latency.skip import paid_test, skip_test
 
 # More repeats than the noise extrapolates to, for most fresh sweeps (not half) to get there.
 POWER_FACTOR = 1.5
+# A fresh sweep is not worth its time when the most repeats the check can run are below
+# the noise's bare extrapolation by this factor: it would end undecided all the same.
+HOPELESS_FACTOR = 2.0
 
 __all__ = [
     "POWER_FACTOR",
     "closer_neighbour",
     "noise_hid_a_skip",
+    "noise_needs",
     "repeats_for_noise",
     "repeats_that_fit",
 ]
@@ -58,8 +62,23 @@ def noise_hid_a_skip(result: LatencyAnalysis, cfg: LatencyConfig) -> bool:
 
 
 def repeats_for_noise(samples: list[LatencySample], cfg: LatencyConfig, repeats: int) -> int:
-    """Repeats per length for a sweep with this sweep's noise to pass: at most
-    ``cfg.max_repeats``, at least `repeats`.
+    """Repeats per length for a sweep with this sweep's noise to pass (`noise_needs`, with
+    `POWER_FACTOR`'s margin): at most ``cfg.max_repeats``, at least `repeats`."""
+    need = noise_needs(samples, cfg, repeats)
+    if math.isinf(need):
+        return cfg.max_repeats  # no separation at all: only the most the check allows
+    return max(repeats, min(cfg.max_repeats, math.ceil(need * POWER_FACTOR)))
+
+
+def hopeless(need: float, can: int) -> bool:
+    """A fresh sweep of at most `can` repeats per length would end undecided all the same:
+    the noise's bare need (`noise_needs`) is `HOPELESS_FACTOR` times more, or unbounded."""
+    return need > HOPELESS_FACTOR * can
+
+
+def noise_needs(samples: list[LatencySample], cfg: LatencyConfig, repeats: int) -> float:
+    """Repeats per length at which a fresh sweep with this sweep's noise reaches what a pass
+    needs about half the time, uncapped (inf: no separation at all); at least `repeats`.
 
     For a fixed separation between two buckets an exact test's p-value falls exponentially
     with the probes per bucket (a hypergeometric tail), so each of the two tests a pass
@@ -71,20 +90,19 @@ def repeats_for_noise(samples: list[LatencySample], cfg: LatencyConfig, repeats:
     b = buckets(samples)
     alpha = cfg.alpha if cfg.alpha is not None else 0.0
     if not b.short or not b.neighbour or not b.long or alpha <= 0:
-        return repeats
+        return float(repeats)
     args = (cfg.skipped_fraction, cfg.material_fraction, cfg.noise_floor_s)
     level = alpha * cfg.skip_margin
-    tests = ((skip_test(b, *args), level), (paid_test(b, *args), level))
     per_length = min(len(b.short), len(b.neighbour), len(b.long))
     wanted = float(repeats)
-    for test, level in tests:
+    for test in (skip_test(b, *args), paid_test(b, *args)):
         if test is None:
             continue
         if test.p_value >= 1.0:
-            return cfg.max_repeats  # no separation at all: only the most the check allows
+            return math.inf
         if test.p_value >= level:
             wanted = max(wanted, per_length * math.log(level) / math.log(test.p_value))
-    return max(repeats, min(cfg.max_repeats, math.ceil(wanted * POWER_FACTOR)))
+    return wanted
 
 
 def repeats_that_fit(remaining_s: float, took_s: float, probes: int, lengths: list[int]) -> int:
