@@ -248,26 +248,27 @@ def _resized(
     """The next sweep's lengths and repeats after one whose noise could hide a skip: the
     neighbour moved closer where the cost jumps past it, else the repeats the noise needs,
     within what the budget fits (both recorded in `entry`). None: the noise needs far more
-    repeats than the check's cap or the budget allow (`resweep.hopeless`), so a fresh sweep
-    would end undecided too."""
+    repeats than the check's cap or the budget allow (`resweep.hopeless`; where the
+    neighbour would move, judged by the long prompts' own separation alone), so a fresh
+    sweep would end undecided too."""
     probes = len(sweep.samples) + len(sweep.errors)
     fits = repeats_that_fit(ctx.budget.remaining_s, took, probes, lengths)
     closer = closer_neighbour(lengths, sweep.samples)
-    if closer != lengths:
+    moved = closer != lengths
+    need = noise_needs(sweep.samples, cfg, repeats, paid_only=moved)
+    if hopeless(need, min(cfg.max_repeats, fits)):
+        entry["next_repeats"] = {
+            "needed": None if math.isinf(need) else math.ceil(need),
+            "most": cfg.max_repeats,
+            "fit_the_budget": fits,
+        }
+        return None
+    if moved:
         # A new neighbour's separation is unknown: the power factor's margin on top.
         wanted = math.ceil(POWER_FACTOR * repeats)
         entry["neighbour_moved"] = {"from": lengths[-2], "to": closer[-2]}
         lengths = closer
     else:
-        need = noise_needs(sweep.samples, cfg, repeats)
-        can = min(cfg.max_repeats, fits)
-        if hopeless(need, can):
-            entry["next_repeats"] = {
-                "needed": None if math.isinf(need) else math.ceil(need),
-                "most": cfg.max_repeats,
-                "fit_the_budget": fits,
-            }
-            return None
         wanted = repeats_for_noise(sweep.samples, cfg, repeats)
     entry["next_repeats"] = {"wanted": wanted, "fit_the_budget": fits}
     return lengths, max(repeats, min(wanted, fits))

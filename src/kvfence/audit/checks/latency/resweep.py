@@ -76,9 +76,13 @@ def hopeless(need: float, can: int) -> bool:
     return need > HOPELESS_FACTOR * can
 
 
-def noise_needs(samples: list[LatencySample], cfg: LatencyConfig, repeats: int) -> float:
+def noise_needs(
+    samples: list[LatencySample], cfg: LatencyConfig, repeats: int, paid_only: bool = False
+) -> float:
     """Repeats per length at which a fresh sweep with this sweep's noise reaches what a pass
     needs about half the time, uncapped (inf: no separation at all); at least `repeats`.
+    ``paid_only``: from `paid_test` alone, for a sweep whose neighbour moves (a nearer
+    neighbour separates from the short prompts better, never better than the long ones do).
 
     For a fixed separation between two buckets an exact test's p-value falls exponentially
     with the probes per bucket (a hypergeometric tail), so each of the two tests a pass
@@ -95,7 +99,8 @@ def noise_needs(samples: list[LatencySample], cfg: LatencyConfig, repeats: int) 
     level = alpha * cfg.skip_margin
     per_length = min(len(b.short), len(b.neighbour), len(b.long))
     wanted = float(repeats)
-    for test in (skip_test(b, *args), paid_test(b, *args)):
+    tests = (paid_test(b, *args),) if paid_only else (skip_test(b, *args), paid_test(b, *args))
+    for test in tests:
         if test is None:
             continue
         if test.p_value >= 1.0:
