@@ -9,9 +9,10 @@ on this 2-core machine (`_BUDGET_S`); a check that runs out of it says so, and t
 fails on that summary. The router answers 503 "0 decode" for minutes once it has marked
 decode unhealthy; the audit's pacing rides that out (`audit/pacing.py`).
 
-The latency check is not here: on this fleet it passed in 1 of 3 runs (106 s); the others
-were inconclusive, the 1,023-token prompts paying 211-388 ms over the neighbour's 94-145 ms
-against a noise sigma of 41-107 ms, too little for a sweep to tell a skipped prefill apart.
+The latency check is not here: on this fleet the longest prompt it accepts costs 0.1-0.4 s
+more than a short one, against a noise sigma of 60-250 ms through the router, and the check
+says, after one sweep, that deciding would take about 200 probes per compared length (20-25
+minutes at the fleet's pace); docs/ADAPTERS.md has the runs.
 """
 
 from __future__ import annotations
