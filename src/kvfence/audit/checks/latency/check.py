@@ -288,7 +288,7 @@ def _no_sweep_decides(
             f"sweep's pace)"
         )
     else:
-        need = "more probes than any sweep: its short and neighbouring prompts did not separate"
+        need = "more probes than any sweep: the prompts it compares did not separate at all"
     result.summary += (
         f"; a fresh sweep would not decide either: this target's noise needs {need}, and "
         f"the check runs at most {most} (the audit's time left fits {fits})"

@@ -20,6 +20,7 @@ HOPELESS_FACTOR = 2.0
 __all__ = [
     "POWER_FACTOR",
     "closer_neighbour",
+    "hopeless",
     "noise_hid_a_skip",
     "noise_needs",
     "repeats_for_noise",
