@@ -219,8 +219,9 @@ def _decisive_sweep(
         }
         if noise_hid_a_skip(result, cfg):
             resized = _resized(ctx, sweep, took, cfg, lengths, repeats, entry)
-            if resized is None:  # the noise needs more than any sweep the check may run
-                _no_sweep_decides(result, entry, took / max(1, sweep.probes), lengths)
+            if isinstance(resized, NoSweepDecides):
+                result.summary += "; " + resized.say(took / max(1, sweep.probes), lengths)
+                result.evidence["next_sweep"] = resized.to_json()
                 return sweep, result, earlier
             lengths, repeats = resized
         next_s = took * sum(planned_probes(lengths, repeats).values()) / max(1, sweep.probes)
@@ -244,25 +245,20 @@ def _resized(
     lengths: list[int],
     repeats: int,
     entry: dict[str, JSONValue],
-) -> tuple[list[int], int] | None:
+) -> tuple[list[int], int] | NoSweepDecides:
     """The next sweep's lengths and repeats after one whose noise could hide a skip: the
     neighbour moved closer where the cost jumps past it, else the repeats the noise needs,
-    within what the budget fits (both recorded in `entry`). None: the noise needs far more
-    repeats than the check's cap or the budget allow (`resweep.hopeless`; where the
-    neighbour would move, judged by the long prompts' own separation alone), so a fresh
-    sweep would end undecided too."""
+    within what the budget fits (both recorded in `entry`). `NoSweepDecides`: the noise
+    needs far more repeats than the check's cap or the budget allow (`resweep.hopeless`;
+    where the neighbour would move, judged by the long prompts' own separation alone), so a
+    fresh sweep would end undecided too."""
     probes = len(sweep.samples) + len(sweep.errors)
     fits = repeats_that_fit(ctx.budget.remaining_s, took, probes, lengths)
     closer = closer_neighbour(lengths, sweep.samples)
     moved = closer != lengths
     need = noise_needs(sweep.samples, cfg, repeats, paid_only=moved)
     if hopeless(need, min(cfg.max_repeats, fits)):
-        entry["next_repeats"] = {
-            "needed": None if math.isinf(need) else math.ceil(need),
-            "most": cfg.max_repeats,
-            "fit_the_budget": fits,
-        }
-        return None
+        return NoSweepDecides(None if math.isinf(need) else math.ceil(need), cfg.max_repeats, fits)
     if moved:
         # A new neighbour's separation is unknown: the power factor's margin on top.
         wanted = math.ceil(POWER_FACTOR * repeats)
@@ -274,26 +270,31 @@ def _resized(
     return lengths, max(repeats, min(wanted, fits))
 
 
-def _no_sweep_decides(
-    result: LatencyAnalysis, entry: dict[str, JSONValue], per_probe_s: float, lengths: list[int]
-) -> None:
-    """Say, in the undecided sweep's summary, what deciding would take on this target."""
-    sizes = entry["next_repeats"]
-    assert isinstance(sizes, dict)
-    needed, most, fits = sizes["needed"], sizes["most"], sizes["fit_the_budget"]
-    if isinstance(needed, int):
-        seconds = sum(planned_probes(lengths, needed).values()) * per_probe_s
-        need = (
-            f"about {needed} probes per compared length (about {seconds:.0f} s at this "
-            f"sweep's pace)"
+@dataclass(frozen=True, slots=True)
+class NoSweepDecides:
+    """What a fresh sweep would need where none the check may run could decide: repeats per
+    compared length (None: unbounded), the check's cap, and what the budget left fits."""
+
+    needed: int | None
+    most: int
+    fits: int
+
+    def say(self, per_probe_s: float, lengths: list[int]) -> str:
+        if self.needed is None:
+            need = "more probes than any sweep: the prompts it compares did not separate at all"
+        else:
+            seconds = sum(planned_probes(lengths, self.needed).values()) * per_probe_s
+            need = (
+                f"about {self.needed} probes per compared length (about {seconds:.0f} s at "
+                f"this sweep's pace)"
+            )
+        return (
+            f"a fresh sweep would not decide either: this target's noise needs {need}, and "
+            f"the check runs at most {self.most} (the audit's time left fits {self.fits})"
         )
-    else:
-        need = "more probes than any sweep: the prompts it compares did not separate at all"
-    result.summary += (
-        f"; a fresh sweep would not decide either: this target's noise needs {need}, and "
-        f"the check runs at most {most} (the audit's time left fits {fits})"
-    )
-    result.evidence["next_sweep"] = sizes
+
+    def to_json(self) -> dict[str, JSONValue]:
+        return {"needed": self.needed, "most": self.most, "fit_the_budget": self.fits}
 
 
 def _ambiguous(result: LatencyAnalysis, cfg: LatencyConfig) -> bool:
