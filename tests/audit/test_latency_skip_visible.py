@@ -199,15 +199,20 @@ def _decide(
     spread: float,
     seed: int,
     costs: dict[int, float] = COST,
+    skip: bool = False,
 ) -> Any:
-    """The live check's loop of sweeps, each sweep drawn fresh with this noise."""
+    """The live check's loop of sweeps, each sweep drawn fresh with this noise; `skip`: the
+    longest prompts answered at the shortest's cost."""
     draws = iter(range(seed, seed + 10))
 
     def sweep(ctx: Any, client: Any, cfg: LatencyConfig, lengths: list[int], repeats: int) -> Any:
         planned = planned_probes(lengths, repeats)
         rng = random.Random(next(draws))
+        paid = {
+            n: costs[min(costs)] if skip and n == max(costs) else _cost(costs, n) for n in planned
+        }
         samples = [
-            LatencySample(n, _cost(costs, n) + _delay(rng, delay, spread), "ttft", f"{n}/{i}")
+            LatencySample(n, paid[n] + _delay(rng, delay, spread), "ttft", f"{n}/{i}")
             for n, k in planned.items()
             for i in range(k)
         ]
@@ -263,6 +268,30 @@ def test_a_sweep_too_noisy_for_any_fresh_sweep_stops_and_says_what_deciding_take
         _, result, earlier = _decide(monkeypatch, "uniform", 0.1, seed, flat_then_steep)
         assert earlier and earlier[0]["neighbour_moved"] == {"from": 511, "to": 767}, earlier
         assert result.verdict is Verdict.PASS, result.summary
+
+
+# The `small` checkpoint on the vLLM P/D fleet: its short prompts meet stalls of a second.
+SMALL_FLEET_COST = {16: 0.25, 58: 0.30, 211: 0.50, 767: 1.30, 1023: 1.60}
+
+
+def test_a_skip_the_first_sweep_could_not_yet_fail_gets_a_second_sweep_that_fails_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A skip's long prompts never separate from the short ones, so what a pass needs is out
+    of reach; a fail needs only the skip to be visible. Live, through a proxy that answered
+    the fleet's 1,023-token prompts from their last 16 tokens, the first sweep saw the skip
+    at p = 7.5e-9 but could not yet vouch it would (1.4e-7 against 1.7e-8), and stopping
+    there, judged by what a pass needs, called the skip inconclusive. Seeded, every such
+    sweep gets a second one, and fails."""
+    verdicts, resized = [], 0
+    for seed in range(0, 200, 10):
+        _, result, earlier = _decide(
+            monkeypatch, "exponential", 0.6, seed, SMALL_FLEET_COST, skip=True
+        )
+        verdicts.append(result.verdict)
+        resized += bool(earlier)
+    assert verdicts == [Verdict.FAIL] * len(verdicts), verdicts
+    assert resized >= 2, resized
 
 
 def test_a_sweep_called_hopeless_would_not_have_decided() -> None:

@@ -249,9 +249,9 @@ def _resized(
     """The next sweep's lengths and repeats after one whose noise could hide a skip: the
     neighbour moved closer where the cost jumps past it, else the repeats the noise needs,
     within what the budget fits (both recorded in `entry`). `NoSweepDecides`: the noise
-    needs far more repeats than the check's cap or the budget allow (`resweep.hopeless`;
-    where the neighbour would move, judged by the long prompts' own separation alone), so a
-    fresh sweep would end undecided too."""
+    needs far more repeats for a pass, and for a fail, than the check's cap or the budget
+    allow (`resweep.hopeless`; where the neighbour would move, a pass judged by the long
+    prompts' own separation alone), so a fresh sweep would end undecided too."""
     probes = len(sweep.samples) + len(sweep.errors)
     fits = repeats_that_fit(ctx.budget.remaining_s, took, probes, lengths)
     closer = closer_neighbour(lengths, sweep.samples)

@@ -7,7 +7,12 @@ from __future__ import annotations
 import math
 
 from kvfence.audit.base import Verdict
-from kvfence.audit.checks.latency.analysis import LatencyAnalysis, LatencyConfig, LatencySample
+from kvfence.audit.checks.latency.analysis import (
+    LatencyAnalysis,
+    LatencyConfig,
+    LatencySample,
+    analyse,
+)
 from kvfence.audit.checks.latency.exact import buckets, median_of
 from kvfence.audit.checks.latency.skip import paid_test, skip_test
 
@@ -80,18 +85,22 @@ def hopeless(need: float, can: int) -> bool:
 def noise_needs(
     samples: list[LatencySample], cfg: LatencyConfig, repeats: int, paid_only: bool = False
 ) -> float:
-    """Repeats per length at which a fresh sweep with this sweep's noise reaches what a pass
-    needs about half the time, uncapped (inf: no separation at all); at least `repeats`.
-    ``paid_only``: from `paid_test` alone, for a sweep whose neighbour moves (a nearer
-    neighbour separates from the short prompts better, never better than the long ones do).
+    """Repeats per length at which a fresh sweep with this sweep's noise reaches a verdict
+    about half the time, uncapped (inf: no separation at all); at least `repeats`: the fewer
+    of what a pass needs and what a fail needs.
+    ``paid_only``: a pass judged from `paid_test` alone, for a sweep whose neighbour moves (a
+    nearer neighbour separates from the short prompts better, never better than the long
+    ones do).
 
     For a fixed separation between two buckets an exact test's p-value falls exponentially
-    with the probes per bucket (a hypergeometric tail), so each of the two tests a pass
-    needs (`skip_test` and `paid_test`, at alpha x margin) extrapolates, log-linearly
-    from its p-value here, to the repeats that reach its level; the larger of the two is
-    where a fresh sweep reaches both about half the time, and `POWER_FACTOR` more gets most
-    of them there (seeded sweeps: 1.0 decided 7 of 20, 1.5 most). Resampling the sweep
-    instead flatters it: its values repeat and its tail is cut."""
+    with the probes per bucket (a hypergeometric tail), so each test extrapolates,
+    log-linearly from its p-value here, to the repeats that reach its level. A pass needs
+    `skip_test` and `paid_test` at alpha x margin; a fail needs the test itself at alpha and
+    `skip_test` at alpha x margin, and not `paid_test`, which a skip never meets (its long
+    prompts are drawn like the short ones). The larger need of each verdict is where a fresh
+    sweep reaches it about half the time, and `POWER_FACTOR` more gets most of them there
+    (seeded sweeps: 1.0 decided 7 of 20, 1.5 most). Resampling the sweep instead flatters
+    it: its values repeat and its tail is cut."""
     b = buckets(samples)
     alpha = cfg.alpha if cfg.alpha is not None else 0.0
     if not b.short or not b.neighbour or not b.long or alpha <= 0:
@@ -99,15 +108,26 @@ def noise_needs(
     args = (cfg.skipped_fraction, cfg.material_fraction, cfg.noise_floor_s)
     level = alpha * cfg.skip_margin
     per_length = min(len(b.short), len(b.neighbour), len(b.long))
-    wanted = float(repeats)
-    tests = (paid_test(b, *args),) if paid_only else (skip_test(b, *args), paid_test(b, *args))
-    for test in tests:
-        if test is None:
-            continue
-        if test.p_value >= 1.0:
+    skip, paid = skip_test(b, *args), paid_test(b, *args)
+    skip_p = None if skip is None else skip.p_value
+    paid_p = None if paid is None else paid.p_value
+    to_pass = _extrapolated(
+        per_length, [(paid_p, level)] + ([] if paid_only else [(skip_p, level)])
+    )
+    to_fail = _extrapolated(per_length, [(analyse(samples, cfg).p_value, alpha), (skip_p, level)])
+    return max(float(repeats), min(to_pass, to_fail))
+
+
+def _extrapolated(per_length: int, tests: list[tuple[float | None, float]]) -> float:
+    """Repeats per length at which every (p-value, level) pair here reaches its level, each
+    p-value falling log-linearly with the repeats; inf where one cannot fall (p = 1 or no
+    test)."""
+    wanted = float(per_length)
+    for p, level in tests:
+        if p is None or p >= 1.0:
             return math.inf
-        if test.p_value >= level:
-            wanted = max(wanted, per_length * math.log(level) / math.log(test.p_value))
+        if p >= level:
+            wanted = max(wanted, per_length * math.log(level) / math.log(p))
     return wanted
 
 
