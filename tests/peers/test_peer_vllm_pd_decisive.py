@@ -12,7 +12,9 @@ decode unhealthy; the audit's pacing rides that out (`audit/pacing.py`).
 The latency check is not here: on this fleet the longest prompt it accepts costs 0.1-0.4 s
 more than a short one, against a noise sigma of 60-250 ms through the router, and the check
 says, after one sweep, that deciding would take about 200 probes per compared length (20-25
-minutes at the fleet's pace); docs/ADAPTERS.md has the runs.
+minutes at the fleet's pace). With 40x the compute per token (the `small` preset) it passed in
+2 of 3 runs by hand and not on a freshly started fleet at this suite's load; docs/ADAPTERS.md
+has the runs.
 """
 
 from __future__ import annotations
