@@ -21,7 +21,7 @@ from kvfence.audit.checks.latency.resweep import (
     closer_neighbour,
     hopeless,
     noise_needs,
-    repeats_for_noise,
+    repeats_for_need,
 )
 from kvfence.audit.contract import AuditContext
 
@@ -74,7 +74,7 @@ def test_the_noise_seen_sizes_the_next_sweep() -> None:
     did, and neither size passes a skip or fails honest prompts."""
     first = _sweep(0, "uniform", 0.5, skip=False)
     assert analyse(first, CFG).verdict is Verdict.INCONCLUSIVE
-    wanted = repeats_for_noise(first, CFG, REPEATS)
+    wanted = repeats_for_need(noise_needs(first, CFG, REPEATS), CFG, REPEATS)
     assert REPEATS < wanted < CFG.max_repeats
     decided: dict[int, tuple[int, int]] = {}
     for repeats in (REPEATS, wanted):

@@ -52,7 +52,7 @@ from kvfence.audit.checks.latency.resweep import (
     hopeless,
     noise_hid_a_skip,
     noise_needs,
-    repeats_for_noise,
+    repeats_for_need,
     repeats_that_fit,
 )
 from kvfence.audit.client import ProbeClient
@@ -265,7 +265,7 @@ def _resized(
         entry["neighbour_moved"] = {"from": lengths[-2], "to": closer[-2]}
         lengths = closer
     else:
-        wanted = repeats_for_noise(sweep.samples, cfg, repeats)
+        wanted = repeats_for_need(need, cfg, repeats)
     entry["next_repeats"] = {"wanted": wanted, "fit_the_budget": fits}
     return lengths, max(repeats, min(wanted, fits))
 

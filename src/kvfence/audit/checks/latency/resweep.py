@@ -28,7 +28,7 @@ __all__ = [
     "hopeless",
     "noise_hid_a_skip",
     "noise_needs",
-    "repeats_for_noise",
+    "repeats_for_need",
     "repeats_that_fit",
 ]
 
@@ -67,10 +67,9 @@ def noise_hid_a_skip(result: LatencyAnalysis, cfg: LatencyConfig) -> bool:
     )
 
 
-def repeats_for_noise(samples: list[LatencySample], cfg: LatencyConfig, repeats: int) -> int:
-    """Repeats per length for a sweep with this sweep's noise to pass (`noise_needs`, with
-    `POWER_FACTOR`'s margin): at most ``cfg.max_repeats``, at least `repeats`."""
-    need = noise_needs(samples, cfg, repeats)
+def repeats_for_need(need: float, cfg: LatencyConfig, repeats: int) -> int:
+    """Repeats per length for a fresh sweep whose noise needs `need` (`noise_needs`), with
+    `POWER_FACTOR`'s margin: at most ``cfg.max_repeats``, at least `repeats`."""
     if math.isinf(need):
         return cfg.max_repeats  # no separation at all: only the most the check allows
     return max(repeats, min(cfg.max_repeats, math.ceil(need * POWER_FACTOR)))
