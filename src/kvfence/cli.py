@@ -245,10 +245,7 @@ def _gate_live(
 @main.command("make-model")
 @click.argument("out_dir", type=click.Path(file_okay=False, writable=True))
 @click.option(
-    "--preset",
-    type=click.Choice(["tiny", "demo", "small", "smollm"]),
-    default="tiny",
-    show_default=True,
+    "--preset", type=click.Choice(["tiny", "demo", "smollm"]), default="tiny", show_default=True
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 def make_model(out_dir: str, preset: str, seed: int) -> None:

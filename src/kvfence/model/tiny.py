@@ -94,11 +94,6 @@ PRESETS: dict[str, Preset] = {
     # dim, but enough compute that a 511-token prefill costs ~80 ms on one core against ~5 ms
     # for 16 tokens, well above the HTTP path's noise, so runbook signal 3 is measurable.
     "demo": Preset(512, 256, 3, 8, 2, 768, 4096, 10000.0, False, 512, 0.1),
-    # The tiny tokenizer and head dim with about 40x the tiny's compute per token: on the
-    # vLLM prefill/decode fleet (each server sharing one core with NIXL's polling thread) a
-    # 1,023-token prompt costs 1.2-1.8 s more than a 16-token one (the tiny: 60 ms), for
-    # timing that fleet's prefill against its stalls (docs/ADAPTERS.md).
-    "small": Preset(512, 384, 8, 12, 4, 1024, 4096, 10000.0, False, 512, 0.1),
     # SmolLM2-135M's geometry, for benchmarks: compute, not only Python overhead.
     "smollm": Preset(49152, 576, 30, 9, 3, 1536, 8192, 100000.0, True, 512, 0.02),
 }
