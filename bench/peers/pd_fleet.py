@@ -151,7 +151,8 @@ def start_vllm_pd(
     model_path = Path(model_dir).resolve()
     served = served_model_name or model_path.name
     logs = log_dir or cache.run_dir / "logs"
-    cpus = {"prefill": "0", "decode": str(min(1, (os.cpu_count() or 1) - 1))}
+    usable = sorted(os.sched_getaffinity(0))  # the cores this process may use, not all there are
+    cpus = {"prefill": str(usable[0]), "decode": str(usable[min(1, len(usable) - 1)])}
     # Both start now and load side by side; each is then awaited on its own readiness.
     started = {
         role: _start_role(
