@@ -17,7 +17,7 @@ ready (`pin_group`). vLLM's own binding (`VLLM_CPU_OMP_THREADS_BIND`) places onl
 team; the thread that runs prefill's model was measured on decode's core, beside decode's
 worker and its spinning progress thread, while the API servers floated over both. That
 fleet answered a 16-token prompt in 0.1 s or in 1-30 s, and an unrelated process sleeping
-1 ms woke up to 30 s late; bound, the same fleet's slowest wake-up was 0.19 s.
+1 ms woke up to 30 s late; bound, its slowest wake-up was 0.01-0.19 s.
 The pool is small on purpose (16 blocks of 128 tokens, the null block included), which is
 what makes block reuse, and so the audit's questions about it, reachable in seconds.
 """
@@ -213,21 +213,18 @@ def _start_router(
     return launch_server("vllm-router", cmd, env, port, served, "/health", log_dir, startup)
 
 
-def pin_group(leader: int, cpu: int) -> int:
+def pin_group(leader: int, cpu: int) -> None:
     """Bind every thread of every process in `leader`'s session (a peer runs in a session of
-    its own) to `cpu`; return how many threads were bound. Threads and processes started
-    later inherit the binding from the one that starts them."""
-    pinned = 0
+    its own) to `cpu`. Threads and processes started later inherit the binding from the one
+    that starts them."""
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit() or _session(proc) != leader:
             continue
         for task in (proc / "task").iterdir():
             try:
                 os.sched_setaffinity(int(task.name), {cpu})
-            except (ProcessLookupError, PermissionError):
-                continue  # a thread that ended meanwhile
-            pinned += 1
-    return pinned
+            except (ProcessLookupError, PermissionError, FileNotFoundError):
+                continue  # a thread or process that ended meanwhile
 
 
 def _session(proc: Path) -> int | None:
