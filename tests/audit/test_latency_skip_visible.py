@@ -74,7 +74,9 @@ def test_the_noise_seen_sizes_the_next_sweep() -> None:
     did, and neither size passes a skip or fails honest prompts."""
     first = _sweep(0, "uniform", 0.5, skip=False)
     assert analyse(first, CFG).verdict is Verdict.INCONCLUSIVE
-    wanted = repeats_for_need(noise_needs(first, CFG, REPEATS), CFG, REPEATS)
+    wanted = repeats_for_need(
+        noise_needs(first, CFG, REPEATS, analyse(first, CFG).p_value), CFG, REPEATS
+    )
     assert REPEATS < wanted < CFG.max_repeats
     decided: dict[int, tuple[int, int]] = {}
     for repeats in (REPEATS, wanted):
@@ -301,7 +303,9 @@ def test_a_sweep_called_hopeless_would_not_have_decided() -> None:
     for seed in range(12):
         for delay, spread in (("exponential", 0.8), ("uniform", 1.2)):
             first = _planned(COST, seed, spread, False, REPEATS, delay)
-            if not hopeless(noise_needs(first, CFG, REPEATS), CFG.max_repeats):
+            if not hopeless(
+                noise_needs(first, CFG, REPEATS, analyse(first, CFG).p_value), CFG.max_repeats
+            ):
                 continue
             stopped += 1
             fresh = _planned(COST, 1000 + seed, spread, False, CFG.max_repeats, delay)

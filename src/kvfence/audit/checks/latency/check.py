@@ -218,7 +218,7 @@ def _decisive_sweep(
             "seconds": round(took, 1),
         }
         if noise_hid_a_skip(result, cfg):
-            resized = _resized(ctx, sweep, took, cfg, lengths, repeats, entry)
+            resized = _resized(ctx, sweep, result, took, cfg, lengths, repeats, entry)
             if isinstance(resized, NoSweepDecides):
                 result.summary += "; " + resized.say(took / max(1, sweep.probes), lengths)
                 result.evidence["next_sweep"] = resized.to_json()
@@ -240,6 +240,7 @@ def _decisive_sweep(
 def _resized(
     ctx: AuditContext,
     sweep: Sweep,
+    result: LatencyAnalysis,
     took: float,
     cfg: LatencyConfig,
     lengths: list[int],
@@ -256,7 +257,7 @@ def _resized(
     fits = repeats_that_fit(ctx.budget.remaining_s, took, probes, lengths)
     closer = closer_neighbour(lengths, sweep.samples)
     moved = closer != lengths
-    need = noise_needs(sweep.samples, cfg, repeats, paid_only=moved)
+    need = noise_needs(sweep.samples, cfg, repeats, result.p_value, paid_only=moved)
     if hopeless(need, min(cfg.max_repeats, fits)):
         return NoSweepDecides(None if math.isinf(need) else math.ceil(need), cfg.max_repeats, fits)
     if moved:

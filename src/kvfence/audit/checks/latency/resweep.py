@@ -7,12 +7,7 @@ from __future__ import annotations
 import math
 
 from kvfence.audit.base import Verdict
-from kvfence.audit.checks.latency.analysis import (
-    LatencyAnalysis,
-    LatencyConfig,
-    LatencySample,
-    analyse,
-)
+from kvfence.audit.checks.latency.analysis import LatencyAnalysis, LatencyConfig, LatencySample
 from kvfence.audit.checks.latency.exact import buckets, median_of
 from kvfence.audit.checks.latency.skip import paid_test, skip_test
 
@@ -82,11 +77,16 @@ def hopeless(need: float, can: int) -> bool:
 
 
 def noise_needs(
-    samples: list[LatencySample], cfg: LatencyConfig, repeats: int, paid_only: bool = False
+    samples: list[LatencySample],
+    cfg: LatencyConfig,
+    repeats: int,
+    test_p: float | None,
+    paid_only: bool = False,
 ) -> float:
     """Repeats per length at which a fresh sweep with this sweep's noise reaches a verdict
     about half the time, uncapped (inf: no separation at all); at least `repeats`: the fewer
-    of what a pass needs and what a fail needs.
+    of what a pass needs and what a fail needs. ``test_p``: this sweep's own test p-value
+    (``analyse(samples, cfg).p_value``, which the caller has already).
     ``paid_only``: a pass judged from `paid_test` alone, for a sweep whose neighbour moves (a
     nearer neighbour separates from the short prompts better, never better than the long
     ones do).
@@ -113,7 +113,7 @@ def noise_needs(
     to_pass = _extrapolated(
         per_length, [(paid_p, level)] + ([] if paid_only else [(skip_p, level)])
     )
-    to_fail = _extrapolated(per_length, [(analyse(samples, cfg).p_value, alpha), (skip_p, level)])
+    to_fail = _extrapolated(per_length, [(test_p, alpha), (skip_p, level)])
     return max(float(repeats), min(to_pass, to_fail))
 
 
