@@ -16,8 +16,8 @@ converted from it), one server at a time:
   vLLM      CPU build, `--dtype float32`, `VLLM_CPU_OMP_THREADS_BIND=0-1`, 1 GiB KV
   llama.cpp `llama-server -t 2 -np 16 -c 16384` (1,024 tokens per slot), f32 GGUF
   kvfence-pd  kvfence's disaggregated stack: the real sglang-router (PD mode) in front of one
-            prefill and one decode `kvfence serve --router sglang` worker (1 GiB KV each, one
-            torch thread each: both share the 2 cores), KV over TCP;
+            prefill and one decode `kvfence serve --router sglang` worker (1 GiB KV each;
+            they take turns on the 2 cores, each step on both), KV over TCP;
             `kvfence-pd-mooncake` and `kvfence-pd-nixl` the same with the Mooncake and NIXL
             transfer engines. The router takes text prompts only (token ids get a 422), so
             these rows send each prompt's ids as text, trimmed until it encodes to at most the
@@ -25,9 +25,9 @@ converted from it), one server at a time:
             key (the workers authenticate every request, I10).
             `kvfence-pd-noedge` (not in the default list): the same stack with the router itself
             on the public address, without kvfence's edge in front: the edge's cost, same run.
-            `kvfence-pd-shared` (not in the default list): the same stack with its workers
-            sharing the cores step by step, a worker stepping alone on both
-            (sglang_stack/cores.py, `StackSpec.share_cores`): that sharing's effect, same run
+            `kvfence-pd-split` (not in the default list): the same stack with the cores split
+            for good, one a worker, both stepping at once (`StackSpec(share_cores=False)`):
+            the turns' effect, same run
   vllm-pd   vLLM's own disaggregated fleet (bench/peers/pd_fleet.py): a prefill and a decode
             vLLM CPU server (float32, NixlConnector over DRAM, each pinned to one core) behind
             vllm-router, 1 GiB of KV blocks each; prompts as text, as for kvfence-pd
@@ -95,13 +95,13 @@ ENGINES = (
     "vllm-pd",
     "llamacpp",
 )
-EXTRA_ENGINES = ("kvfence-fcfs", "kvfence-pd-noedge", "kvfence-pd-shared")
+EXTRA_ENGINES = ("kvfence-fcfs", "kvfence-pd-noedge", "kvfence-pd-split")
 PD_TRANSPORTS = {
     "kvfence-pd": "tcp",
     "kvfence-pd-mooncake": "mooncake",
     "kvfence-pd-nixl": "nixl",
     "kvfence-pd-noedge": "tcp",
-    "kvfence-pd-shared": "tcp",
+    "kvfence-pd-split": "tcp",
 }
 KV_BYTES = 1 << 30  # every engine gets 1 GiB of KV (vLLM's VLLM_CPU_KVCACHE_SPACE=1)
 CONTEXT = 2048
@@ -417,7 +417,7 @@ def pd_stack(
     log_dir: Path,
     edge: bool = True,
     context: int = CONTEXT,
-    share_cores: bool = False,
+    share_cores: bool = True,
 ) -> Iterator[Serving]:
     """sglang-router + one prefill + one decode kvfence worker (sglang_stack/stack.py)."""
     from kvfence.serve.tenants import TenantRegistry
@@ -473,7 +473,7 @@ def engine_server(
     if engine in PD_TRANSPORTS:
         log_dir.mkdir(parents=True, exist_ok=True)
         edge = engine != "kvfence-pd-noedge"
-        share = engine == "kvfence-pd-shared"
+        share = engine != "kvfence-pd-split"
         with pd_stack(
             PD_TRANSPORTS[engine], model_dir, log_dir, edge, share_cores=share
         ) as serving:

@@ -22,6 +22,7 @@ import logging
 import signal
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import zmq
 
@@ -84,8 +85,9 @@ class _HubControl:
     def send(self, msg: Message) -> None:
         self.router.send(msg)
 
-    def stepping(self, busy: bool) -> None:
+    def cores(self, busy: bool) -> AbstractContextManager[None]:
         """A hub worker keeps its fixed thread setting."""
+        return nullcontext()
 
     def status_due(self, progressed: bool) -> bool:
         """A status after every step that produced output, and at least every interval."""

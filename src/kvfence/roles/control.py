@@ -14,6 +14,7 @@ also uses the coordinator's sockets (a ZeroMQ socket belongs to one thread).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 from kvfence.engine.messages import (
@@ -37,8 +38,8 @@ class PrefillControl(Protocol):
         """What arrived since the last turn, in order; waits for the idle poll when not busy.
         A `PrefillWork`'s `decode_addr` is where its KV goes."""
 
-    def stepping(self, busy: bool) -> None:
-        """Just before the turn's step (taken or not): the coordinator's thread share."""
+    def cores(self, busy: bool) -> AbstractContextManager[None]:
+        """Around the turn's step (taken or not): the cores it runs on, and when."""
 
     def refused(self, failure: Failure) -> None:
         """The engine refused or failed a room (I2: over the pool is terminal)."""
@@ -61,8 +62,8 @@ class DecodeControl(Protocol):
         """What arrived since the last turn, in order; waits for the idle poll (or the
         receiver's waker) when not busy."""
 
-    def stepping(self, busy: bool) -> None:
-        """Just before the turn's step (taken or not): the coordinator's thread share."""
+    def cores(self, busy: bool) -> AbstractContextManager[None]:
+        """Around the turn's step (taken or not): the cores it runs on, and when."""
 
     def ready(self, ready: BootstrapReady) -> None:
         """Pages are reserved for a room: prefill may now write into exactly them."""

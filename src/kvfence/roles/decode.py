@@ -67,9 +67,10 @@ class DecodeRole:
         for failure in self.landed(self.receiver.poll()):
             self.transfer_failures += 1  # cancelled, refused or its sender died
             control.event(failure)
-        control.stepping(engine.has_work)
-        if engine.has_work and not (self.carried or self._held()):
-            engine.step()
+        stepping = engine.has_work and not (self.carried or self._held())
+        with control.cores(stepping):
+            if stepping:
+                engine.step()
         out = engine.drain()
         for ready in out.ready:
             control.ready(ready)  # a queued reservation got its pages

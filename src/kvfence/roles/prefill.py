@@ -53,11 +53,11 @@ class PrefillRole:
         engine = self.engine
         for msg in control.receive(self.has_work):
             self.take(msg)
-        control.stepping(self.has_work)
-        if self.carries is not None:
-            mixed_step(engine, self.carries)  # decode's rows first, prefill's chunks in the rest
-        elif engine.has_work:
-            engine.step()
+        with control.cores(self.has_work):
+            if self.carries is not None:
+                mixed_step(engine, self.carries)  # decode's rows first, prefill's in the rest
+            elif engine.has_work:
+                engine.step()
         out = engine.drain()
         for failure in out.to_router:
             self.dest_of.pop(failure.room, None)  # rejected or failed: its KV is never sent

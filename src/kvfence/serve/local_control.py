@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 from kvfence.engine.messages import Abort, BootstrapReady, Failure, TokenChunk, TransferDone
@@ -79,8 +80,8 @@ class LocalPrefillControl:
         taken, self.x.to_prefill = self.x.to_prefill, []
         return taken
 
-    def stepping(self, busy: bool) -> None:
-        return  # one thread runs both roles: nothing to share
+    def cores(self, busy: bool) -> AbstractContextManager[None]:
+        return nullcontext()  # one thread runs both roles: nothing to share
 
     def refused(self, failure: Failure) -> None:
         self.x.deliver(failure)
@@ -108,8 +109,8 @@ class LocalDecodeControl:
         taken, self.x.to_decode = self.x.to_decode, []
         return taken
 
-    def stepping(self, busy: bool) -> None:
-        return
+    def cores(self, busy: bool) -> AbstractContextManager[None]:
+        return nullcontext()
 
     def ready(self, ready: BootstrapReady) -> None:
         self.x.ready(ready)

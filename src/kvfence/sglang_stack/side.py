@@ -14,6 +14,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import zmq
@@ -88,7 +89,7 @@ class PairSide(ABC):
         self._thread: threading.Thread | None = None
         self.integrity = ""
         self._fault: str | None = None  # set once the engine loop raised (health says why)
-        self.cores: CoreShare | None = None  # co-located in a stack: threads follow the others
+        self.core_share: CoreShare | None = None  # co-located in a stack: turns on the cores
 
     # ---- the Backend contract (any thread) ---------------------------------------------
 
@@ -104,8 +105,8 @@ class PairSide(ABC):
             box.close()
         self.inbox.close()
         self.close()
-        if self.cores is not None:
-            self.cores.close()
+        if self.core_share is not None:
+            self.core_share.close()
         self.waker.close()
         self.ctx.term()
 
@@ -148,11 +149,11 @@ class PairSide(ABC):
             self._commands.clear()
         return out
 
-    def stepping(self, busy: bool) -> None:
-        """Before the turn's step (engine thread): its intra-op threads, where a stack shares
-        the host's cores between its workers (cores.py); otherwise the fixed setting stands."""
-        if self.cores is not None:
-            self.cores.stepping(busy)
+    def cores(self, busy: bool) -> AbstractContextManager[None]:
+        """Around the turn's step (engine thread): where a stack shares the host's cores
+        between its workers, its turn on them (cores.py); otherwise the fixed setting stands."""
+        share = self.core_share
+        return nullcontext() if share is None else share.turn(busy)
 
     def poll(self, busy: bool) -> list[Message]:
         return self.inbox.poll(0 if busy else IDLE_POLL_MS)

@@ -77,10 +77,10 @@ class StackSpec:
     # `/workers` there with a tenant key (the audit sends its operator key only on the
     # operator-data paths); the tenants' address is the edge either way.
     keyed_control_plane: bool = True
-    # True: the workers, all on this host, share its cores step by step (cores.py): a worker
-    # stepping alone takes every free core, beside the others its share. Off by default until
-    # it measures above a run's noise (docs/BENCHMARKS.md); each worker keeps `--torch-threads`.
-    share_cores: bool = False
+    # True: the workers, all on this host, take turns on its cores (cores.py), each step on
+    # every free core. False: each keeps `--torch-threads` and all step at once (the fixed
+    # split, for comparison: docs/BENCHMARKS.md).
+    share_cores: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -125,7 +125,7 @@ def run_sglang_worker(spec: SglangWorkerSpec, tenants: TenantRegistry) -> int:
     """Serve until SIGTERM; exit 1 when the live pool fails the capacity gate (I4)."""
     loaded = load_model(spec.worker.model_dir, kind=spec.worker.model_kind)
     side = build_side(spec, loaded)
-    side.cores = from_environment(torch.set_num_threads)  # the stack's co-located workers
+    side.core_share = from_environment(torch.set_num_threads)  # the stack's co-located workers
     config = serve_config(spec, loaded)
     server = Server(side, loaded.tokenizer, config, tenants, router_type=WorkerRouter)
 
