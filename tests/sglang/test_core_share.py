@@ -100,6 +100,17 @@ def test_the_worker_that_stepped_last_lets_a_waiting_one_go_first(tmp_path: Path
     assert log == ["prefill steps", "decode steps", "prefill steps"]
 
 
+def test_a_slot_wants_the_cores_only_during_its_turn(tmp_path: Path) -> None:
+    # A worker gone idle after its step must not look like one waiting: the one that
+    # stepped last would hold its next step back for it.
+    (prefill, decode), _ = _views(tmp_path, cores=2)
+    with decode.turn(True):
+        assert prefill._slot(1)[0] == 1
+    assert prefill._slot(1)[0] == 0
+    with decode.turn(False):
+        assert prefill._slot(1)[0] == 0
+
+
 def test_a_stuck_holder_is_stepped_beside_at_the_split_share(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -12,8 +12,8 @@ grew while it waited.
 
 The board is a small file the stack made (`CoreShareSpec`): the cores are an exclusive
 `flock` on it, so a worker that dies holding them gives them back with its last descriptor.
-Beside the lock, each worker's slot says whether it wants a step and which process it is, and
-the header which slot held the cores last. A worker that held them last and sees another
+Beside the lock, each worker's slot says whether it is in a turn (waiting for the cores or
+stepping on them) and which process it is, and the header which slot held the cores last. A worker that held them last and sees another
 waiting lets that one go first, so neither role can hold the other off for more than a step.
 Nothing waits without end: a holder that has held the cores past `STUCK_S` (a frozen or
 starved step) is stepped beside at the split share, as without a share.
@@ -118,18 +118,22 @@ class CoreShare:
     @contextmanager
     def turn(self, busy: bool) -> Iterator[None]:
         """`with share.turn(busy): step`: when busy, the cores for this one step (all of
-        them, once the worker holding them has stepped), handed on when it ends."""
-        self._put(self.spec.slot, wants=busy)
+        them, once the worker holding them has stepped), handed on when it ends. The slot
+        wants the cores from the turn's start to its end, and only then."""
         if not busy:
             yield
             return
-        held = self._acquire()
-        self._take(self.spec.cores if held else self._split())
+        self._put(self.spec.slot, wants=True)
         try:
-            yield
+            held = self._acquire()
+            self._take(self.spec.cores if held else self._split())
+            try:
+                yield
+            finally:
+                if held:
+                    self._release()
         finally:
-            if held:
-                self._release()
+            self._put(self.spec.slot, wants=False)
 
     @property
     def threads(self) -> int:
