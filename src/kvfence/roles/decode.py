@@ -60,23 +60,32 @@ class DecodeRole:
         self.receiver.notify(wake)
 
     def turn(self, control: DecodeControl) -> None:
-        """receive -> what landed (I3) -> step -> ready and tokens, then the pacing."""
+        """receive -> what landed (I3) and its first tokens -> step -> ready and tokens,
+        then the pacing."""
         engine = self.engine
         for msg in control.receive(engine.has_work):
             self.take(msg, control)
         for failure in self.landed(self.receiver.poll()):
             self.transfer_failures += 1  # cancelled, refused or its sender died
             control.event(failure)
+        # What landed carries prefill's first token: it goes out now, not after a wait for
+        # the cores (another worker's step) and this step.
+        landed = self.hand_out(control)
         stepping = engine.has_work and not (self.carried or self._held())
         with control.cores(stepping):
             if stepping:
                 engine.step()
-        out = engine.drain()
+        stepped = self.hand_out(control)
+        control.turn_done(landed or stepped)
+
+    def hand_out(self, control: DecodeControl) -> bool:
+        """What the engine produced since the last hand-out; whether there was any."""
+        out = self.engine.drain()
         for ready in out.ready:
             control.ready(ready)  # a queued reservation got its pages
         for event in out.events:
             control.event(event)
-        control.turn_done(bool(out))
+        return bool(out)
 
     def _held(self) -> bool:
         """The lab's hold: the step is skipped (after a poll's sleep) while it is set."""
