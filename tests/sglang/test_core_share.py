@@ -156,6 +156,30 @@ def test_a_holder_that_dies_gives_the_cores_back(tmp_path: Path) -> None:
         holder.wait()
 
 
+def test_a_holder_that_died_past_the_stuck_bound_is_no_reason_to_step_beside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The board still names the dead holder, long past STUCK_S, and its slot still wants
+    # the cores; this worker stepped last. The lock is free: it takes every core.
+    monkeypatch.setattr(cores, "STUCK_S", 0.01)
+    (prefill, _), _ = _views(tmp_path, cores=2)
+    with prefill.turn(True):
+        pass
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER.replace("0, 2, 2", "1, 2, 2"), str(tmp_path / "cores")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    finally:
+        holder.kill()
+        holder.wait()
+    time.sleep(0.05)  # past the bound
+    with prefill.turn(True):
+        assert prefill.threads == 2
+
+
 def test_cores_other_work_keeps_busy_are_not_taken(tmp_path: Path) -> None:
     free: list[float | None] = [1.0]  # the stack's own core and nothing more
     (_, decode), calls = _views(tmp_path, cores=2, free=free)

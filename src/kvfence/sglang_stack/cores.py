@@ -153,20 +153,21 @@ class CoreShare:
     # ---- the board ---------------------------------------------------------------------
 
     def _acquire(self) -> bool:
-        """Wait for the cores: True once held; False when their holder is stuck."""
+        """Wait for the cores: True once held; False when their holder is stuck. A holder
+        the board still names may be gone (its lock went with it): the lock decides."""
         start = time.monotonic()
         while True:
-            if not self._owes_a_turn(start):
+            stuck = self._holder_stuck()
+            if stuck or not self._owes_a_turn(start):
                 try:
                     fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    pass
+                    if stuck:
+                        return False
                 else:
                     _, last, _ = _HEADER.unpack_from(self._map, 0)
                     _HEADER.pack_into(self._map, 0, self.spec.slot, last, time.monotonic_ns())
                     return True
-            if self._holder_stuck():
-                return False
             time.sleep(POLL_S)
 
     def _release(self) -> None:
