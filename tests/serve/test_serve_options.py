@@ -24,6 +24,7 @@ from kvfence.launch.options import (
     Role,
     ServeOptions,
     sglang_worker_spec,
+    stack_spec,
     stack_worker_argv,
 )
 from kvfence.serve.config import ServeConfig
@@ -198,3 +199,13 @@ def test_the_stacks_workers_parse_the_options_they_were_given(argv: list[str]) -
     }  # fmt: skip
     assert {f: getattr(worker, f) for f in shared} == {f: getattr(o, f) for f in shared}
     assert worker.torch_threads == o.worker_threads
+
+
+def test_the_stacks_workers_take_turns_on_the_cores_unless_a_thread_count_is_given(
+    tmp_path: Path,
+) -> None:
+    tenants = tmp_path / "tenants.json"
+    assert stack_spec(parse("--disaggregated"), tenants).share_cores is True
+    assert (
+        stack_spec(parse("--disaggregated", "--torch-threads", "1"), tenants).share_cores is False
+    )

@@ -225,7 +225,11 @@ from kvfence.serve.tenants import TenantFileError, TenantRegistry
     type=click.IntRange(0),
     default=0,
     show_default=True,
-    help="intra-op threads for the model (0 = torch's default; --disaggregated splits the cores)",
+    help=(
+        "intra-op threads for the model (0 = torch's default; --disaggregated: the workers "
+        "take turns on every core behind sglang-router and split the cores behind the hub; "
+        "a count here fixes each worker's)"
+    ),
 )
 @click.option(
     "--pair-timeout",

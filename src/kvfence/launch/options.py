@@ -341,4 +341,6 @@ def stack_spec(options: ServeOptions, tenants_file: Path) -> StackSpec:
         n_decode=options.n_decode,
         host=options.host,
         port=options.port,
+        # The workers take turns on every core unless `--torch-threads` fixes their count.
+        share_cores=options.torch_threads == 0,
     )
