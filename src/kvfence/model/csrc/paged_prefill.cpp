@@ -21,8 +21,8 @@
 // keys: one maximum, one rescale of the outputs and one pass of the values per span),
 // else two, else one; scores are computed two tiles at a time (two independent
 // accumulators per query vector; four would not fit the registers). The softmax is
-// online (a running maximum and sum per query vector), the exp the polynomial of
-// vec.h on whole vectors; only spans that cross a query's position pay for a mask.
+// online (a running maximum and sum per query vector) and in base 2 (the queries carry
+// log2(e), exp2_vec below); only spans that cross a query's position pay for a mask.
 // A span's softmax takes three passes over its 8 query vectors (the maxima, the
 // exps, the rescales), so each pass's work is independent from vector to vector.
 // Jobs are taken longest first (the blocks at the end of a prompt attend the most
@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -89,28 +90,36 @@ inline float hsum(vf v) {
   return (z[0] + z[2]) + (z[1] + z[3]);
 }
 
-// exp of each lane, every lane <= 0: vec.h's polynomial (Cephes' expf) on whole vectors.
-// With AVX-512 the floor and the 2^n scale are one instruction each (roundscale, scalef)
-// instead of two conversions, a compare and a bit shift; the result is bit for bit the same
-// (an exact floor, then one rounding of p * 2^n either way). It runs for every 16 scores.
-inline vf exp_vec(vf x) {
-  x = vmax(x, splat(-87.0f));
-  const vf y = x * 1.44269504088896341f + 0.5f;
+// 2^x of each lane, every lane <= 0. The queries are scaled by log2(e) with the softmax's
+// scale, so a score is already in base 2 and exp(s - m) is 2^(s' - m'): no multiply by
+// log2(e) and no two-part reduction by ln 2 per lane, only n = round(x), r = x - n in
+// [-1/2, 1/2] (exact) and Cephes' exp2f polynomial for 2^r, within 2 ulp. With AVX-512 the
+// rounding and the 2^n scale are one instruction each (roundscale, scalef).
+inline vf exp2_poly(vf r) {
+  vf p = splat(1.535336188319500e-4f);
+  p = p * r + 1.339887440266574e-3f;
+  p = p * r + 9.618437357674640e-3f;
+  p = p * r + 5.550332471162809e-2f;
+  p = p * r + 2.402264791363012e-1f;
+  p = p * r + 6.931472028550421e-1f;
+  return p * r + 1.0f;
+}
+
+inline vf exp2_vec(vf x) {
+  x = vmax(x, splat(-126.0f));
 #if defined(__AVX512F__)
   if (kLanes == 16) {
-    const vf n = (vf)_mm512_roundscale_ps((__m512)y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const vf r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    return (vf)_mm512_scalef_ps((__m512)kvf::exp_poly(r), (__m512)n);
+    const vf n = (vf)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return (vf)_mm512_scalef_ps((__m512)exp2_poly(x - n), (__m512)n);
   }
 #endif
+  const vf y = x + 0.5f;
   vf n = __builtin_convertvector(__builtin_convertvector(y, vi), vf);  // toward zero
-  n = n > y ? n - 1.0f : n;                                            // floor
-  const vf r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  const vf p = kvf::exp_poly(r);
+  n = n > y ? n - 1.0f : n;                                            // floor(x + 1/2)
   const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;  // 2^n, n in [-126, 0]
   vf scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  return exp2_poly(x - n) * scale;
 }
 
 // One prefill row as both passes see it.
@@ -129,7 +138,7 @@ struct Layout {
   float* out;      // [T, H, D]
   const int64_t* positions;  // [T]
   int64_t H, KVH, D, G, ps, P, window, q_stride;
-  float scale;
+  float scale2;  // the softmax's scale times log2(e): scores in base 2 (exp2_vec)
 };
 
 // Pass 1, one (row, tile): transpose the tile's keys for every KV head; false on a bad entry.
@@ -241,7 +250,7 @@ void attend_span(const Block& b, const float* kt, const float* const* vrow, int6
       const vf mv = splat(m_new[i] == kNegInf ? 0.0f : m_new[i]);
       vf sum_i{};
       for (int t = 0; t < NT; ++t) {
-        vf p = exp_vec(sc[t * kRows + i] - mv);
+        vf p = exp2_vec(sc[t * kRows + i] - mv);
         if (!whole) p = live[t * kRows + i] ? p : vf{};  // exactly 0, not exp(-87)
         store(pbuf[i] + t * kLanes, p);
         sum_i += p;
@@ -251,7 +260,7 @@ void attend_span(const Block& b, const float* kt, const float* const* vrow, int6
     for (int i = 0; i < kRows; ++i) {  // rescale what the row has so far to the new maximum
       const int64_t r = r0 + i;
       if (m_new[i] == kNegInf) continue;  // nothing attended yet, nor in this span
-      const float alpha = b.mx[r] == kNegInf ? 0.0f : kvf::exp_nonpositive(b.mx[r] - m_new[i]);
+      const float alpha = b.mx[r] == kNegInf ? 0.0f : std::exp2(b.mx[r] - m_new[i]);
       store(b.sum + r * kLanes, load(b.sum + r * kLanes) * alpha + total[i]);
       b.mx[r] = m_new[i];
       if (alpha != 1.0f) {
@@ -301,7 +310,7 @@ void attend_block(const Job& job, const Layout& s, std::vector<float>& scratch,
     last[r] = r < R ? std::min(p, row.hi - 1) : -1;  // padding rows attend nothing
     if (r < R) lo = std::min(lo, first[r]);
     const float* src = s.q + (job.t0 + t) * s.q_stride + (job.kh * G + g) * D;
-    for (int d = 0; d < D; ++d) qs[r * D + d] = src[d] * s.scale;
+    for (int d = 0; d < D; ++d) qs[r * D + d] = src[d] * s.scale2;
   }
   int64_t hi = 0;
   for (int64_t r = 0; r < R; ++r) hi = std::max(hi, last[r] + 1);
@@ -367,7 +376,8 @@ extern "C" int kvf_paged_prefill(
     int64_t window, int64_t q_stride, float scale, int threads) {
   const BlockFn attend = for_dim(D);
   if (attend == nullptr) return 2;
-  const Layout layout{q, k, v, out, positions, H, KVH, D, H / KVH, ps, P, window, q_stride, scale};
+  const Layout layout{q, k, v, out, positions, H, KVH, D, H / KVH, ps, P, window, q_stride,
+                     scale * 1.44269504088896341f};
   std::vector<Row> prefill(N);
   int64_t kt_size = 0, voff_size = 0;
   for (int64_t i = 0; i < N; ++i) {
@@ -379,12 +389,15 @@ extern "C" int kvf_paged_prefill(
     kt_size += KVH * tiles * D * kLanes;
     voff_size += tiles * kLanes;
   }
-  std::vector<float> kt(kt_size);
-  std::vector<int64_t> voff(voff_size);
+  // Left uninitialised (a serial memset of megabytes per call at long context): pass 1
+  // writes every float of every tile, padding lanes included, and every key's offset below
+  // hi, and pass 2 reads nothing else.
+  const std::unique_ptr<float[]> kt(new float[kt_size]);
+  const std::unique_ptr<int64_t[]> voff(new int64_t[voff_size]);
   std::vector<std::pair<int64_t, int64_t>> tiles;  // (row, tile)
   for (int64_t i = 0, a = 0, b = 0; i < N; ++i) {
-    prefill[i].kt = kt.data() + a;
-    prefill[i].voff = voff.data() + b;
+    prefill[i].kt = kt.get() + a;
+    prefill[i].voff = voff.get() + b;
     a += KVH * prefill[i].tiles * D * kLanes;
     b += prefill[i].tiles * kLanes;
     for (int64_t t = 0; t < prefill[i].tiles; ++t) tiles.emplace_back(i, t);

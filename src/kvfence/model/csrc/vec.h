@@ -30,11 +30,9 @@ inline float hsum(vf v) {
   return (z[0] + z[2]) + (z[1] + z[3]);
 }
 
-// exp(r) for r in [-ln 2 / 2, ln 2 / 2]: Cephes' expf polynomial, on a float or on a
-// whole vector (T = vf; the paged prefill kernel's softmax) alike.
-template <class T>
-inline T exp_poly(T r) {
-  T p = T{} + 1.9875691500e-4f;
+// exp(r) for r in [-ln 2 / 2, ln 2 / 2]: Cephes' expf polynomial.
+inline float exp_poly(float r) {
+  float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
