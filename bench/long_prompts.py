@@ -2,7 +2,8 @@
 
 The incident was about long context; `serve_throughput.py` stops at 512-token prompts.
 Here every engine serves the SmolLM2-135M geometry (`--preset smollm`, 8,192 positions)
-with an 8,192-token context and 1 GiB of KV (kvfence's single process and, with
+with an 8,192-token context and 1 GiB of KV (kvfence's single process at its own step
+budget of 512 tokens and at vLLM's CPU server's 2,048, `kvfence-2048`, and, with
 `--engines ...,kvfence-pd`, its sglang-router stack; vLLM CPU float32; llama.cpp f32 GGUF,
 one slot of the whole context), one server at a time. For each length, `--repeats`
 prompts of random token ids (seeded per length and repeat, so no two share a prefix and
@@ -23,7 +24,7 @@ each engine's TTFT p50 and CPU-s p50 with `best_peer/kvfence` for each (>= 1.0: 
 at or below the best peer measured in the same run), and the cores each held.
 
 Usage: python bench/long_prompts.py [--lengths 2048,4096,8000] [--repeats 2]
-           [--engines kvfence,vllm,llamacpp[,kvfence-pd]] [--output 16] [--sample 0.2]
+           [--engines kvfence,kvfence-2048,vllm,llamacpp[,kvfence-pd]] [--output 16] [--sample 0.2]
 """
 
 from __future__ import annotations
@@ -62,8 +63,13 @@ from bench.serve_throughput import (  # noqa: E402
 from kvfence.model.tiny import PRESETS, default_checkpoint_dir  # noqa: E402
 
 CONTEXT = 8192  # the smollm geometry's positions
-ENGINES = ("kvfence", "vllm", "llamacpp")
+# vLLM's CPU API server prefills at most 2,048 tokens a step unless told otherwise
+# (max_num_batched_tokens); kvfence's default step budget is 512, which bounds how long a
+# step holds every other request's next token. `kvfence-2048` is kvfence at vLLM's budget.
+PEER_STEP_BUDGET = 2048
+ENGINES = ("kvfence", "kvfence-2048", "vllm", "llamacpp")
 EXTRA_ENGINES = ("kvfence-pd",)
+OWN = ("kvfence", "kvfence-2048", "kvfence-pd")
 PEERS = ("vllm", "llamacpp")
 
 
@@ -90,7 +96,7 @@ class Row:
     def line(self) -> str:
         gone = f" departed={self.departed}" if self.departed else ""
         return (
-            f"  {self.engine:10s} prompt={self.length:5d} ttft_p50_ms={self.ttft_ms:9.1f} "
+            f"  {self.engine:12s} prompt={self.length:5d} ttft_p50_ms={self.ttft_ms:9.1f} "
             f"cpu_s_p50={self.cpu_s:7.2f} cores={self.cores:4.2f} "
             f"decode_tok_s={self.decode_tok_s:7.2f} errors={self.errors}{gone} "
             f"load1={self.load1:.1f}"
@@ -111,6 +117,9 @@ def engine(name: str, model_dir: Path, log_dir: Path) -> Iterator[Serving]:
         return
     if name == "kvfence":
         server = start_kvfence(model_dir, log_dir, context=CONTEXT)
+    elif name == "kvfence-2048":
+        budget = str(PEER_STEP_BUDGET)
+        server = start_kvfence(model_dir, log_dir, "--max-batch-tokens", budget, context=CONTEXT)
     elif name == "vllm":
         server = start_vllm(
             model_dir,
@@ -213,7 +222,7 @@ def compare(rows: list[Row], length: int) -> None:
     for label, figure, fmt in FIGURES:
         parts = [f"{e}={figure(r):{fmt}}" for e, r in at.items()]
         best = min((figure(r) for r in ok_peers), default=None)
-        for own in ("kvfence", "kvfence-pd"):
+        for own in OWN:
             if own in at and best is not None:
                 parts.append(f"best_peer/{own}={best / figure(at[own]):.3f}")
         print(f"long_prompts prompt={length} {label}: " + " ".join(parts), flush=True)
@@ -249,7 +258,7 @@ def main() -> None:
     )
     rows: list[Row] = []
     for name in names:
-        if name != "kvfence-pd" and not installed(name, cache):
+        if name not in OWN and not installed(name, cache):
             print(f"{name}: SKIPPED, not installed in {cache.root} (bench/peers/install.sh)")
             continue
         with engine(name, model_dir, cache.run_dir / "logs") as serving:
