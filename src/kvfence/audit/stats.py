@@ -27,8 +27,7 @@ What each check needs and the error control it relies on:
 * `fast_excess` — the same one-sided exact test (hypergeometric tail, in exact
   integer arithmetic) that the long prompts are "too fast" more often than the
   reference prompts timed beside them (prefill latency, signal 3), with the
-  smallest p-value the design can reach (`min_p_value`) and the probes needed
-  for a given alpha (`probes_for_alpha`).
+  smallest p-value the design can reach (`min_p_value`).
 """
 
 from __future__ import annotations
@@ -387,13 +386,3 @@ def fast_excess(long_fast: int, long_total: int, ref_fast: int, ref_total: int) 
 def min_p_value(long_total: int, ref_total: int) -> float:
     """The smallest p-value `fast_excess` can return with these group sizes: 1 / C(N, n)."""
     return float(Fraction(1, math.comb(long_total + ref_total, long_total)))
-
-
-def probes_for_alpha(alpha: float, ref_per_long: int, most: int = 10_000) -> int | None:
-    """Fewest long probes (with ``ref_per_long`` reference probes each) whose best p < alpha."""
-    if not 0 < alpha < 1 or ref_per_long < 1:
-        raise ValueError("need 0 < alpha < 1 and ref_per_long >= 1")
-    for n in range(1, most + 1):
-        if min_p_value(n, n * ref_per_long) < alpha:
-            return n
-    return None

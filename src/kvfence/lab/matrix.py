@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfence.faults import FAULT_INFO, Fault, FaultSet
+from kvfence.faults import Fault, FaultSet
 from kvfence.lab.profiles import INCIDENT_FAULTS
 from kvfence.lab.scenario import Outcome, ScenarioResult, ServerFactory, lab_server, run_incident
 
@@ -66,7 +66,3 @@ def run_matrix(
         if progress is not None:
             progress(i + 1, len(combos), row)
     return rows
-
-
-def defence_name(fault: Fault) -> str:
-    return FAULT_INFO[fault].defence_removed.split(" ")[0]  # e.g. "I4"

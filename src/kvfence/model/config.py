@@ -120,20 +120,6 @@ class ModelConfig:
             dtype=dtype,
         )
 
-    @property
-    def num_parameters(self) -> int:
-        """Parameter count (embeddings counted once when tied)."""
-        h, q, kv = (
-            self.hidden_size,
-            self.num_heads * self.head_dim,
-            self.num_kv_heads * self.head_dim,
-        )
-        attn = h * (q + 2 * kv) + q * h
-        mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h
-        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + h
-
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> ModelConfig:
         return _parse(raw)

@@ -90,10 +90,6 @@ class KvfenceTarget(Target):
         return out
 
 
-def isolation_counter_names() -> tuple[str, ...]:
-    return ISOLATION_COUNTERS
-
-
 def _num(info: dict[str, Any], key: str, note: str = "") -> Fact:
     v, _ = json_int(info, key)
     src = f"GET /server_info {key}"

@@ -64,11 +64,6 @@ class PrefixSharingConfig:
             raise ValueError("token_range must be 0 <= low < high")
 
 
-def random_tokens(rng: random.Random, n: int, token_range: tuple[int, int]) -> list[int]:
-    lo, hi = token_range
-    return [rng.randrange(lo, hi) for _ in range(n)]
-
-
 @dataclass(slots=True)
 class Arms:
     """Timings and evidence of one run (salted or not)."""
