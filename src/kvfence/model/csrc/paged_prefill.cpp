@@ -21,8 +21,8 @@
 // keys: one maximum, one rescale of the outputs and one pass of the values per span),
 // else two, else one; scores are computed two tiles at a time (two independent
 // accumulators per query vector; four would not fit the registers). The softmax is
-// online (a running maximum and sum per query vector) and in base 2 (the queries carry
-// log2(e), exp2_vec below); only spans that cross a query's position pay for a mask.
+// online (a running maximum and sum per query vector), each weight 2^((s - m) log2 e)
+// (exp2_vec below); only spans that cross a query's position pay for a mask.
 // A span's softmax takes three passes over its 8 query vectors (the maxima, the
 // exps, the rescales), so each pass's work is independent from vector to vector.
 // Jobs are taken longest first (the blocks at the end of a prompt attend the most
@@ -62,6 +62,7 @@ constexpr int64_t kBlock = 16;  // query tokens per job
 // A short row keeps short blocks, which give both threads enough jobs.
 constexpr int64_t kLongKeys = 2048;
 constexpr int64_t kLongBlock = 64;
+constexpr float kLog2e = 1.44269504088896341f;
 constexpr int kRows = 8;         // query vectors per score tile (independent FMA chains)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -90,11 +91,12 @@ inline float hsum(vf v) {
   return (z[0] + z[2]) + (z[1] + z[3]);
 }
 
-// 2^x of each lane, every lane <= 0. The queries are scaled by log2(e) with the softmax's
-// scale, so a score is already in base 2 and exp(s - m) is 2^(s' - m'): no multiply by
-// log2(e) and no two-part reduction by ln 2 per lane, only n = round(x), r = x - n in
-// [-1/2, 1/2] (exact) and Cephes' exp2f polynomial for 2^r, within 2 ulp. With AVX-512 the
-// rounding and the 2^n scale are one instruction each (roundscale, scalef).
+// 2^x of each lane, every lane <= 0: n = round(x), r = x - n in [-1/2, 1/2] (exact), and
+// Cephes' exp2f polynomial for 2^r; no two-part reduction by ln 2 as exp needs. The caller
+// passes (s - m) * log2(e): the difference first, so the rounding of the product is
+// relative to it, not to the score (scaling the queries by log2(e) instead made the
+// weights of a sharp softmax five times less exact; tests/model, sharp scores). With
+// AVX-512 the rounding and the 2^n scale are one instruction each (roundscale, scalef).
 inline vf exp2_poly(vf r) {
   vf p = splat(1.535336188319500e-4f);
   p = p * r + 1.339887440266574e-3f;
@@ -138,7 +140,7 @@ struct Layout {
   float* out;      // [T, H, D]
   const int64_t* positions;  // [T]
   int64_t H, KVH, D, G, ps, P, window, q_stride;
-  float scale2;  // the softmax's scale times log2(e): scores in base 2 (exp2_vec)
+  float scale;
 };
 
 // Pass 1, one (row, tile): transpose the tile's keys for every KV head; false on a bad entry.
@@ -250,7 +252,7 @@ void attend_span(const Block& b, const float* kt, const float* const* vrow, int6
       const vf mv = splat(m_new[i] == kNegInf ? 0.0f : m_new[i]);
       vf sum_i{};
       for (int t = 0; t < NT; ++t) {
-        vf p = exp2_vec(sc[t * kRows + i] - mv);
+        vf p = exp2_vec((sc[t * kRows + i] - mv) * kLog2e);
         if (!whole) p = live[t * kRows + i] ? p : vf{};  // exactly 0, not exp(-87)
         store(pbuf[i] + t * kLanes, p);
         sum_i += p;
@@ -260,7 +262,7 @@ void attend_span(const Block& b, const float* kt, const float* const* vrow, int6
     for (int i = 0; i < kRows; ++i) {  // rescale what the row has so far to the new maximum
       const int64_t r = r0 + i;
       if (m_new[i] == kNegInf) continue;  // nothing attended yet, nor in this span
-      const float alpha = b.mx[r] == kNegInf ? 0.0f : std::exp2(b.mx[r] - m_new[i]);
+      const float alpha = b.mx[r] == kNegInf ? 0.0f : std::exp2((b.mx[r] - m_new[i]) * kLog2e);
       store(b.sum + r * kLanes, load(b.sum + r * kLanes) * alpha + total[i]);
       b.mx[r] = m_new[i];
       if (alpha != 1.0f) {
@@ -310,7 +312,7 @@ void attend_block(const Job& job, const Layout& s, std::vector<float>& scratch,
     last[r] = r < R ? std::min(p, row.hi - 1) : -1;  // padding rows attend nothing
     if (r < R) lo = std::min(lo, first[r]);
     const float* src = s.q + (job.t0 + t) * s.q_stride + (job.kh * G + g) * D;
-    for (int d = 0; d < D; ++d) qs[r * D + d] = src[d] * s.scale2;
+    for (int d = 0; d < D; ++d) qs[r * D + d] = src[d] * s.scale;
   }
   int64_t hi = 0;
   for (int64_t r = 0; r < R; ++r) hi = std::max(hi, last[r] + 1);
@@ -376,8 +378,7 @@ extern "C" int kvf_paged_prefill(
     int64_t window, int64_t q_stride, float scale, int threads) {
   const BlockFn attend = for_dim(D);
   if (attend == nullptr) return 2;
-  const Layout layout{q, k, v, out, positions, H, KVH, D, H / KVH, ps, P, window, q_stride,
-                     scale * 1.44269504088896341f};
+  const Layout layout{q, k, v, out, positions, H, KVH, D, H / KVH, ps, P, window, q_stride, scale};
   std::vector<Row> prefill(N);
   int64_t kt_size = 0, voff_size = 0;
   for (int64_t i = 0; i < N; ++i) {
