@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,12 +11,23 @@ from typing import Any
 
 import httpx
 
+from kvfence.engine.backend import GenerateWork
+from kvfence.engine.decode import DecodeEngine
+from kvfence.engine.messages import SamplingParams
+from kvfence.engine.prefill import PrefillEngine
 from kvfence.faults import Fault, FaultSet
+from kvfence.kv.pool import KVPool
 from kvfence.lab.profiles import Scale
 from kvfence.lab.scenario import Exchange, find_leak
+from kvfence.model.base import CausalLM
+from kvfence.model.loader import LoadedModel, load_model
 from kvfence.model.tokenizer import Tokenizer
+from kvfence.serve.specs import WorkerSpec, engine_config
 from kvfence.serve.tenants import TenantRegistry
+from kvfence.sglang_stack.decode import DecodeSide
+from kvfence.sglang_stack.prefill import PrefillSide
 from kvfence.sglang_stack.stack import Stack, StackSpec
+from kvfence.transfer.registry import get_transport
 
 SCALE = Scale()  # the incident's numbers scaled down: context 512, prefill pool 336, decode 1024
 OPERATOR_KEY = "sk-operator-sglang-tests-0001"
@@ -180,3 +191,55 @@ def edge_verdicts(checkpoint: Path, faults: FaultSet, out: Path) -> dict[str, st
 
     with lab_server(checkpoint, faults, model_kind="mirror", scale=SCALE) as srv:
         return audit_verdicts(srv.url, srv.keys, srv.keys[OPERATOR], out)
+
+
+LOOPBACK = "tcp://127.0.0.1:0"
+
+
+def decode_side(checkpoint: Path, loaded: LoadedModel, **options: Any) -> DecodeSide:
+    """A real decode side, not started: the mirror model, a TCP receiver into 64 pages;
+    `options` go to `DecodeSide` (a shorter `pair_timeout_s`)."""
+    spec = WorkerSpec("decode", str(checkpoint), "mirror", LOOPBACK, "", kv_pages=64)
+    config = engine_config(spec, loaded)
+    transport = get_transport("tcp", host="127.0.0.1")
+    pool = transport.create_pool(loaded.config.kv_geometry(config.page_size), config.decode_pages)
+    receiver = transport.receiver(pool)
+    engine = DecodeEngine(loaded.model, pool, config, FaultSet(), inbound=receiver)
+    return DecodeSide(engine, receiver, LOOPBACK, FaultSet(), **options)
+
+
+@contextmanager
+def side_pair(
+    checkpoint: Path,
+    prefill_model: Callable[[CausalLM], CausalLM] = lambda model: model,
+    prefill_options: dict[str, Any] | None = None,
+    decode_options: dict[str, Any] | None = None,
+) -> Iterator[tuple[PrefillSide, DecodeSide]]:
+    """A started prefill side and decode side in this process, paired over loopback (TCP KV,
+    the bootstrap channel); prefill's model is `prefill_model` of the mirror model."""
+    loaded = load_model(str(checkpoint), kind="mirror")
+    spec = WorkerSpec("prefill", str(checkpoint), "mirror", LOOPBACK, "", kv_pages=64)
+    config = engine_config(spec, loaded)
+    pool = KVPool(loaded.config.kv_geometry(config.page_size), config.prefill_pages)
+    engine = PrefillEngine(prefill_model(loaded.model), pool, config, FaultSet())
+    prefill = PrefillSide(engine, get_transport("tcp"), LOOPBACK, **(prefill_options or {}))
+    decode = decode_side(checkpoint, loaded, **(decode_options or {}))
+    prefill.start()
+    decode.start()
+    try:
+        yield prefill, decode
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+def room_work(peer: str) -> GenerateWork:
+    """One paired room's work: a 32-token prompt for 4 tokens, its prefill half at `peer`."""
+    return GenerateWork(
+        room="room-1",
+        tenant="tenant-a",
+        prompt_ids=tuple(range(20, 52)),
+        sampling=SamplingParams(max_tokens=4),
+        cache_namespace="tenant-a",
+        peer=peer,
+    )

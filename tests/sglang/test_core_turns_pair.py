@@ -14,43 +14,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sgl_helpers import room_work, side_pair
 
-from kvfence.engine.backend import GenerateWork
-from kvfence.engine.decode import DecodeEngine
-from kvfence.engine.messages import Failure, SamplingParams, TokenChunk
-from kvfence.engine.prefill import PrefillEngine
-from kvfence.faults import FaultSet
-from kvfence.kv.pool import KVPool
-from kvfence.model.loader import load_model
-from kvfence.serve.specs import WorkerSpec, engine_config
+from kvfence.engine.messages import Failure, TokenChunk
 from kvfence.sglang_stack import cores
 from kvfence.sglang_stack.cores import CoreShare, CoreShareSpec
 from kvfence.sglang_stack.decode import DecodeSide
 from kvfence.sglang_stack.prefill import PrefillSide
-from kvfence.transfer.registry import get_transport
 
 
 @pytest.fixture
 def pair(sgl_checkpoint: Path) -> Iterator[tuple[PrefillSide, DecodeSide]]:
-    loaded = load_model(str(sgl_checkpoint), kind="mirror")
-    ckpt, inbox = str(sgl_checkpoint), "tcp://127.0.0.1:0"
-    p_config = engine_config(WorkerSpec("prefill", ckpt, "mirror", inbox, "", kv_pages=64), loaded)
-    d_config = engine_config(WorkerSpec("decode", ckpt, "mirror", inbox, "", kv_pages=64), loaded)
-    geometry = loaded.config.kv_geometry(page_size=p_config.page_size)
-    p_engine = PrefillEngine(loaded.model, KVPool(geometry, p_config.prefill_pages), p_config)
-    prefill = PrefillSide(p_engine, get_transport("tcp"), "tcp://127.0.0.1:0")
-    transport = get_transport("tcp", host="127.0.0.1")
-    d_pool = transport.create_pool(geometry, d_config.decode_pages)
-    receiver = transport.receiver(d_pool)
-    d_engine = DecodeEngine(loaded.model, d_pool, d_config, FaultSet(), inbound=receiver)
-    decode = DecodeSide(d_engine, receiver, "tcp://127.0.0.1:0", FaultSet())
-    prefill.start()
-    decode.start()
-    try:
-        yield prefill, decode
-    finally:
-        decode.stop()
-        prefill.stop()
+    with side_pair(sgl_checkpoint) as sides:
+        yield sides
 
 
 def test_the_first_token_goes_out_while_another_worker_holds_the_cores(
@@ -62,14 +38,7 @@ def test_the_first_token_goes_out_while_another_worker_holds_the_cores(
     CoreShareSpec.create(board, 2)
     decode.core_share = CoreShare(CoreShareSpec(str(board), 0, 2, 2), lambda n: None)
     other = CoreShare(CoreShareSpec(str(board), 1, 2, 2), lambda n: None)
-    work = GenerateWork(
-        room="room-1",
-        tenant="tenant-a",
-        prompt_ids=tuple(range(20, 52)),
-        sampling=SamplingParams(max_tokens=4),
-        cache_namespace="tenant-a",
-        peer=prefill.inbox.addr,
-    )
+    work = room_work(prefill.inbox.addr)
     at_decode: queue.Queue[TokenChunk | Failure] = queue.Queue()
     with other.turn(True):  # another worker's step holds the cores from here on
         prefill.submit(work, lambda event: None)

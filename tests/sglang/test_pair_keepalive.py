@@ -19,23 +19,18 @@ from pathlib import Path
 
 import pytest
 import zmq
+from sgl_helpers import decode_side, room_work
 
-from kvfence.engine.backend import GenerateWork
-from kvfence.engine.decode import DecodeEngine
 from kvfence.engine.messages import (
     Failure,
     Queued,
     RoomRegistration,
-    SamplingParams,
     TokenChunk,
     decode_message,
     encode_message,
 )
-from kvfence.faults import FaultSet
 from kvfence.model.loader import load_model
-from kvfence.serve.specs import WorkerSpec, engine_config
 from kvfence.sglang_stack.decode import DecodeSide
-from kvfence.transfer.registry import get_transport
 
 WAIT_S = 2.0
 
@@ -43,14 +38,7 @@ WAIT_S = 2.0
 @pytest.fixture
 def decode(sgl_checkpoint: Path) -> Iterator[DecodeSide]:
     loaded = load_model(str(sgl_checkpoint), kind="mirror")
-    spec = WorkerSpec("decode", str(sgl_checkpoint), "mirror", "tcp://127.0.0.1:0", "", kv_pages=64)
-    geometry = loaded.config.kv_geometry(page_size=spec.page_size)
-    config = engine_config(spec, loaded)
-    transport = get_transport("tcp", host="127.0.0.1")
-    pool = transport.create_pool(geometry, config.decode_pages)
-    receiver = transport.receiver(pool)
-    engine = DecodeEngine(loaded.model, pool, config, FaultSet(), inbound=receiver)
-    side = DecodeSide(engine, receiver, "tcp://127.0.0.1:0", FaultSet(), pair_timeout_s=WAIT_S)
+    side = decode_side(sgl_checkpoint, loaded, pair_timeout_s=WAIT_S)
     side.start()
     yield side
     side.stop()
@@ -64,14 +52,7 @@ def test_a_room_prefill_still_holds_waits_and_fails_once_prefill_goes_silent(
     prefill_in.setsockopt(zmq.LINGER, 0)
     port = prefill_in.bind_to_random_port("tcp://127.0.0.1")
     events: queue.Queue[TokenChunk | Failure] = queue.Queue()
-    work = GenerateWork(
-        room="room-1",
-        tenant="tenant-a",
-        prompt_ids=tuple(range(20, 52)),
-        sampling=SamplingParams(max_tokens=4),
-        cache_namespace="tenant-a",
-        peer=f"tcp://127.0.0.1:{port}",
-    )
+    work = room_work(f"tcp://127.0.0.1:{port}")
     try:
         decode.submit(work, events.put)
         assert prefill_in.poll(30_000), "decode never registered the room with prefill"

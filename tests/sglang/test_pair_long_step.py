@@ -17,27 +17,22 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
 import torch
+from sgl_helpers import room_work, side_pair
 
-from kvfence.engine.backend import GenerateWork
-from kvfence.engine.decode import DecodeEngine
-from kvfence.engine.messages import Failure, SamplingParams, TokenChunk
-from kvfence.engine.prefill import PrefillEngine
-from kvfence.faults import FaultSet
+from kvfence.engine.messages import Failure, TokenChunk
 from kvfence.kv.pool import KVPool
 from kvfence.model.base import CausalLM, ForwardBatch
-from kvfence.model.loader import load_model
-from kvfence.serve.specs import WorkerSpec, engine_config
 from kvfence.sglang_stack.decode import DecodeSide
 from kvfence.sglang_stack.prefill import PrefillSide
-from kvfence.transfer.registry import get_transport
 
 WAIT_S = 1.5  # the pair wait, both sides (the default is 30 s); prefill's word every 0.25 s
 STEP_S = 3 * WAIT_S  # prefill's one step: three waits long
+Sides = tuple[PrefillSide, DecodeSide]
 
 
 class SlowForward(CausalLM):
@@ -57,35 +52,13 @@ class SlowForward(CausalLM):
         return self.inner.forward_many(parts)
 
 
-@contextmanager
-def _pair(sgl_checkpoint: Path, step_bound_s: float) -> Iterator[tuple[PrefillSide, DecodeSide]]:
-    loaded = load_model(str(sgl_checkpoint), kind="mirror")
-    ckpt, inbox = str(sgl_checkpoint), "tcp://127.0.0.1:0"
-    p_config = engine_config(WorkerSpec("prefill", ckpt, "mirror", inbox, "", kv_pages=64), loaded)
-    d_config = engine_config(WorkerSpec("decode", ckpt, "mirror", inbox, "", kv_pages=64), loaded)
-    geometry = loaded.config.kv_geometry(page_size=p_config.page_size)
-    slow = SlowForward(loaded.model, STEP_S)
-    p_pool = KVPool(geometry, p_config.prefill_pages)
-    p_engine = PrefillEngine(slow, p_pool, p_config, FaultSet())
-    prefill = PrefillSide(
-        p_engine,
-        get_transport("tcp"),
-        "tcp://127.0.0.1:0",
-        pair_timeout_s=WAIT_S,
-        step_bound_s=step_bound_s,
+def _pair(sgl_checkpoint: Path, step_bound_s: float) -> AbstractContextManager[Sides]:
+    return side_pair(
+        sgl_checkpoint,
+        prefill_model=lambda model: SlowForward(model, STEP_S),
+        prefill_options={"pair_timeout_s": WAIT_S, "step_bound_s": step_bound_s},
+        decode_options={"pair_timeout_s": WAIT_S},
     )
-    transport = get_transport("tcp", host="127.0.0.1")
-    d_pool = transport.create_pool(geometry, d_config.decode_pages)
-    receiver = transport.receiver(d_pool)
-    d_engine = DecodeEngine(loaded.model, d_pool, d_config, FaultSet(), inbound=receiver)
-    decode = DecodeSide(d_engine, receiver, "tcp://127.0.0.1:0", FaultSet(), pair_timeout_s=WAIT_S)
-    prefill.start()
-    decode.start()
-    try:
-        yield prefill, decode
-    finally:
-        decode.stop()
-        prefill.stop()
 
 
 @pytest.fixture
@@ -94,22 +67,11 @@ def pair(sgl_checkpoint: Path) -> Iterator[tuple[PrefillSide, DecodeSide]]:
         yield sides
 
 
-def _work(prefill: PrefillSide) -> GenerateWork:
-    return GenerateWork(
-        room="room-1",
-        tenant="tenant-a",
-        prompt_ids=tuple(range(20, 52)),
-        sampling=SamplingParams(max_tokens=4),
-        cache_namespace="tenant-a",
-        peer=prefill.inbox.addr,
-    )
-
-
 def test_a_prefill_step_longer_than_the_pair_wait_does_not_expire_the_room(
     pair: tuple[PrefillSide, DecodeSide],
 ) -> None:
     prefill, decode = pair
-    work = _work(prefill)
+    work = room_work(prefill.inbox.addr)
     at_prefill: queue.Queue[TokenChunk | Failure] = queue.Queue()
     at_decode: queue.Queue[TokenChunk | Failure] = queue.Queue()
     started = time.monotonic()
@@ -133,7 +95,7 @@ def test_a_hung_prefill_step_stops_the_word_and_decode_fails_the_room(
 ) -> None:
     """The step bound below the step: the engine looks hung, so decode's wait runs out."""
     with _pair(sgl_checkpoint, step_bound_s=WAIT_S / 2) as (prefill, decode):
-        work = _work(prefill)
+        work = room_work(prefill.inbox.addr)
         at_decode: queue.Queue[TokenChunk | Failure] = queue.Queue()
         started = time.monotonic()
         prefill.submit(work, lambda event: None)
