@@ -85,10 +85,11 @@ def flip_in_flight(sender: GrantedSender, out: Outgoing) -> None:
     """A transfer engine corrupts a byte of page 1 in transit (after the sender's checksum)."""
     real = sender.write
 
-    def write(o: Outgoing, end: bytes) -> str | None:
-        tamper(o, "flip")  # the source, flipped after `complete` took the checksum
+    def write(o: Outgoing, end: Callable[[], bytes]) -> str | None:
+        body = end()  # the source checksum, taken before the flip
+        tamper(o, "flip")
         try:
-            return real(o, end)
+            return real(o, lambda: body)
         finally:
             tamper(o, "flip")  # flipped back: the next job's source is clean
             del sender.write  # type: ignore[method-assign]

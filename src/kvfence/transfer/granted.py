@@ -37,6 +37,8 @@ import logging
 import socket
 import threading
 from abc import abstractmethod
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from kvfence.engine.messages import MessageError, TransferManifest, decode_message, encode_message
@@ -274,24 +276,47 @@ class GrantClient(InPlaceSender):
 
 class GrantedSender(GrantClient):
     """Prefill's half for a transfer engine: asks for the grant, then has its engine write
-    the granted pages chunk by chunk (a P frame after each but the last) and signal the end."""
+    the granted pages chunk by chunk (a P frame after each but the last) and signal the end.
+
+    The checksum of the source runs (what the end carries) is computed on a thread of its
+    own while the engine writes the first chunks: xxh3 and the engines' copies release the
+    GIL, so on two cores the read and the copy overlap instead of adding up. The end body,
+    and so the last chunk's notification, waits for it; `complete` never returns while
+    that thread still reads the source pages, which prefill frees after it.
+    """
 
     def __init__(self, address: str, scheme: str, chunk_bytes: int = CHUNK_BYTES) -> None:
         super().__init__(address, scheme)
         self.chunk_bytes = chunk_bytes
+        self._summer = ThreadPoolExecutor(1, thread_name_prefix="kvfence-source-checksum")
 
     def complete(self, out: Outgoing) -> None:
-        checksum = source_checksum(out)
-        out.manifest = dataclasses.replace(out.manifest, checksum=checksum)
-        failure = self.write(out, end_body(out.manifest.room, checksum))
+        room = out.manifest.room
+        if 0 < self.chunk_bytes < out.payload_bytes:
+            pending = self._summer.submit(source_checksum, out)
+        else:  # one write: nothing to overlap the checksum with
+            pending = Future()
+            pending.set_result(source_checksum(out))
+
+        def end() -> bytes:
+            out.manifest = dataclasses.replace(out.manifest, checksum=pending.result())
+            return end_body(room, out.manifest.checksum)
+
+        try:
+            failure = self.write(out, end)
+        finally:
+            pending.result()  # the source pages are read no more once this returns
         if failure is not None:
             # Some bytes may have landed: decode must see the room end and fail it, never
             # wait; a checksum no payload has makes its reconciliation refuse (I3).
-            framing.send_frame(
-                self._sock, framing.END, end_body(out.manifest.room, f"failed: {failure}")
-            )
+            framing.send_frame(self._sock, framing.END, end_body(room, f"failed: {failure}"))
             raise TransportClosed(f"transfer engine write failed: {failure}")
 
+    def close(self) -> None:
+        self._summer.shutdown()
+        super().close()
+
     @abstractmethod
-    def write(self, out: Outgoing, end: bytes) -> str | None:
-        """Have the engine write the copy runs and signal the end; None, or why it failed."""
+    def write(self, out: Outgoing, end: Callable[[], bytes]) -> str | None:
+        """Have the engine write the copy runs and signal the end with `end()` (which waits
+        for the source checksum); None, or why it failed."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from kvfence.kv.pool import KVPool
@@ -102,7 +103,7 @@ class MooncakeSender(GrantedSender):
         self._session = str(self.hello["session"])
         self._dst_base = (int(self.hello["k_addr"]), int(self.hello["v_addr"]))
 
-    def write(self, out: Outgoing, end: bytes) -> str | None:
+    def write(self, out: Outgoing, end: Callable[[], bytes]) -> str | None:
         src_base = tuple(addr for addr, _ in self._engine.register(out.src_pool))
         chunks = chunked(out.copy_runs(), self.chunk_bytes)
         for i, (runs, upto) in enumerate(chunks):
@@ -114,7 +115,7 @@ class MooncakeSender(GrantedSender):
                 return f"Mooncake batch_transfer_sync_write returned {rc}"
             if i + 1 < len(chunks):  # acknowledged: decode checksums it while the next goes
                 self.send_progress(out.manifest.room, upto)
-        self.send_end(end)
+        self.send_end(end())
         return None
 
 

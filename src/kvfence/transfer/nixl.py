@@ -32,8 +32,10 @@ from __future__ import annotations
 import base64
 import logging
 import threading
+import time
 import uuid
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -57,6 +59,7 @@ AGENT = b"A"  # sender -> decode: the name of the sender's NIXL agent
 # How often decode's receiver asks its agent for notifications (and so drives its progress):
 # a room's end is seen within this long of its WRITE, for a few hundred wake-ups a second.
 PUMP_S = 0.002
+POLL_S = 50e-6  # a sender's pause between asking whether its WRITE ended
 
 
 class NixlAgent:
@@ -108,6 +111,9 @@ class NixlAgent:
             state = self._agent.transfer(handle)
         try:
             while state == "PROC":
+                # NIXL's calls hold the GIL: a poll loop without a pause would hand it to the
+                # sender's checksum thread (granted.py) only once per switch interval (5 ms).
+                time.sleep(POLL_S)
                 with self._lock:
                     state = self._agent.check_xfer_state(handle)
             return str(state)
@@ -181,7 +187,7 @@ class NixlSender(GrantedSender):
         self._dst_base = (int(self.hello["k_addr"]), int(self.hello["v_addr"]))
         framing.send_frame(self._sock, AGENT, agent.name.encode())
 
-    def write(self, out: Outgoing, end: bytes) -> str | None:
+    def write(self, out: Outgoing, end: Callable[[], bytes]) -> str | None:
         src_base = tuple(addr for addr, _ in self._agent.register(out.src_pool))
         chunks = chunked(out.copy_runs(), self.chunk_bytes)
         for i, (runs, upto) in enumerate(chunks):
@@ -191,14 +197,14 @@ class NixlSender(GrantedSender):
             src = np.stack([np.asarray(src_base)[kinds] + rows[:, 1], lengths, zeros], axis=1)
             dst = np.stack([np.asarray(self._dst_base)[kinds] + rows[:, 2], lengths, zeros], axis=1)
             last = i + 1 == len(chunks)
-            state = self._agent.write(self._remote, src, dst, end if last else b"")
+            state = self._agent.write(self._remote, src, dst, end() if last else b"")
             if state != "DONE":
                 return f"NIXL WRITE ended in state {state}"
             if not last:  # DONE: written there; decode checksums it while the next goes
                 self.send_progress(out.manifest.room, upto)
         # The notification may end the room first; the E frame is the ordered confirmation,
         # so a sender that closes right after its write is never counted dead mid-transfer.
-        self.send_end(end)
+        self.send_end(end())
         return None
 
 
