@@ -55,11 +55,12 @@ _TORCH_KIND = {"int8": torch.int8, "int64": torch.int64, "bool": torch.bool}
 def host_storage(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Zeroed CPU storage on transparent huge pages where the kernel grants them.
 
-    A pool is large and lives as long as its engine. On 4 KiB pages a cross-process
-    copy into it (UCX's CMA, under NIXL) pins every page one at a time and runs at
-    half of memcpy's rate; on 2 MiB pages it runs at memcpy's. Anonymous memory is
-    zero, as `torch.zeros` would be; every page is touched here, so the pool is
-    resident (and its huge pages assembled) at start-up, never on the serving path.
+    For a pool that another process copies into by CMA (UCX under NIXL: the copy pins
+    the target's pages one at a time, and runs at half of memcpy's rate on 4 KiB pages,
+    at memcpy's on 2 MiB ones). Other pools keep ordinary pages: nothing measured a
+    gain for them. Anonymous memory is zero, as `torch.zeros` would be; every page is
+    touched here, so the pool is resident (its huge pages assembled) at start-up,
+    never on the serving path.
     """
     nbytes = max(1, torch.Size(shape).numel() * dtype.itemsize)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -148,6 +149,7 @@ class KVPool(OwnershipLedger):
         faults: FaultSet | None = None,
         device: str | torch.device = "cpu",
         storage: tuple[torch.Tensor, torch.Tensor] | None = None,
+        huge_pages: bool = False,
     ) -> None:
         if num_pages <= 0:
             raise ValueError(f"a KV pool needs at least one page, got {num_pages}")
@@ -163,7 +165,7 @@ class KVPool(OwnershipLedger):
             geometry.num_kv_heads,
             geometry.head_dim,
         )
-        if storage is None and torch.device(device).type == "cpu":
+        if storage is None and huge_pages and torch.device(device).type == "cpu":
             self.k = host_storage(shape, geometry.torch_dtype)
             self.v = host_storage(shape, geometry.torch_dtype)
         elif storage is None:

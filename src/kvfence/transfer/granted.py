@@ -278,12 +278,16 @@ class GrantedSender(GrantClient):
     """Prefill's half for a transfer engine: asks for the grant, then has its engine write
     the granted pages chunk by chunk (a P frame after each but the last) and signal the end.
 
-    The checksum of the source runs (what the end carries) is computed on a thread of its
-    own while the engine writes the first chunks: xxh3 and the engines' copies release the
-    GIL, so on two cores the read and the copy overlap instead of adding up. The end body,
-    and so the last chunk's notification, waits for it; `complete` never returns while
-    that thread still reads the source pages, which prefill frees after it.
+    Where `checksum_beside_writes` is set (NIXL), the checksum of the source runs (what
+    the end carries) is computed on a thread of its own while the engine writes the first
+    chunks: xxh3 releases the GIL, so on two cores the read and the copy overlap instead
+    of adding up. The end body, and so the last chunk's notification, waits for it;
+    `complete` never returns while that thread still reads the source pages, which
+    prefill frees after it. Mooncake computes it first: its TCP writes set the pace, so
+    the overlap saves it little, and the serving stack measured no gain from it.
     """
+
+    checksum_beside_writes = False
 
     def __init__(self, address: str, scheme: str, chunk_bytes: int = CHUNK_BYTES) -> None:
         super().__init__(address, scheme)
@@ -292,9 +296,9 @@ class GrantedSender(GrantClient):
 
     def complete(self, out: Outgoing) -> None:
         room = out.manifest.room
-        if 0 < self.chunk_bytes < out.payload_bytes:
+        if self.checksum_beside_writes and 0 < self.chunk_bytes < out.payload_bytes:
             pending = self._summer.submit(source_checksum, out)
-        else:  # one write: nothing to overlap the checksum with
+        else:  # first: one write leaves nothing to overlap it with
             pending = Future()
             pending.set_result(source_checksum(out))
 
