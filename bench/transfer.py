@@ -56,13 +56,13 @@ SIZES_MIB = (1, 16, 256)
 MAX_TOKENS = (max(SIZES_MIB) << 20) // GEOM.bytes_per_token
 POOL_PAGES = GEOM.pages_for(MAX_TOKENS) + 4
 CTX = multiprocessing.get_context("spawn")
-TRANSPORTS = ("tcp", "shm", "mooncake", "nixl")
 TARGETS = {  # (baseline, ratio): the docstring says why the socket transports use raw
     "tcp": ("raw", 0.50),
     "shm": ("memcpy", 0.70),
     "mooncake": ("raw", 0.50),
     "nixl": ("memcpy", 0.50),
 }
+TRANSPORTS = tuple(TARGETS)
 
 
 def tokens_for(mib: int) -> int:

@@ -62,13 +62,13 @@ def host_storage(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     touched here, so the pool is resident (its huge pages assembled) at start-up,
     never on the serving path.
     """
-    nbytes = max(1, torch.Size(shape).numel() * dtype.itemsize)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    region = mmap.mmap(-1, max(1, nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux; elsewhere the pool is on ordinary pages
         region.madvise(mmap.MADV_HUGEPAGE)
-    flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes)  # keeps `region` alive
+    flat = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
     flat.zero_()  # faults every page in now
-    return flat[: torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
+    return flat[:nbytes].view(dtype).view(shape)
 
 
 def tensor_column(n: int, kind: str) -> Column:
